@@ -1,0 +1,133 @@
+"""The pin and the patch series: applies to a pristine tree, idempotent, clear failures."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load_patchtool():
+    spec = importlib.util.spec_from_file_location("patchtool", ROOT / "scripts" / "patchtool.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["patchtool"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+patchtool = _load_patchtool()
+
+
+@pytest.fixture(scope="module")
+def pristine_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh unpack of the pinned tree (from the cached sdist)."""
+    dest = tmp_path_factory.mktemp("tree") / "llama.cpp"
+    patchtool.unpack(patchtool.read_pin(), dest)
+    return dest
+
+
+def test_series_is_numbered_and_has_headers() -> None:
+    patches = patchtool.patch_files()
+    assert patches, "patches/ is empty"
+    for p in patches:
+        assert p.name[:4].isdigit() and p.name[4] == "-", p.name
+        text = p.read_text()
+        head = text.split("diff --git", 1)[0]
+        assert "What:" in head and "Why:" in head, f"{p.name} lacks a What:/Why: header"
+        assert patchtool.read_pin()["upstream_commit"] in head, f"{p.name} does not name the upstream commit"
+
+
+def test_series_applies_to_pristine_tree_and_is_idempotent(pristine_tree: Path, tmp_path: Path) -> None:
+    tree = tmp_path / "llama.cpp"
+    shutil.copytree(pristine_tree, tree)
+    applied = patchtool.apply_series(tree)
+    assert applied == [p.name for p in patchtool.patch_files()]
+    # every hunk landed: reversing the series must succeed patch by patch
+    for p in reversed(patchtool.patch_files()):
+        assert patchtool._git_apply(tree, p, "--check", "--reverse").returncode == 0, p.name
+    assert patchtool.apply_series(tree) == []  # second run: nothing re-applied, no error
+
+
+def test_already_patched_tree_without_record_is_recognised(pristine_tree: Path, tmp_path: Path) -> None:
+    tree = tmp_path / "llama.cpp"
+    shutil.copytree(pristine_tree, tree)
+    patchtool.apply_series(tree)
+    (tree / patchtool.APPLIED_RECORD).unlink()
+    assert patchtool.apply_series(tree) == []
+
+
+def test_patch_that_does_not_apply_names_the_patch(pristine_tree: Path, tmp_path: Path, monkeypatch) -> None:
+    tree = tmp_path / "llama.cpp"
+    shutil.copytree(pristine_tree, tree)
+    pdir = tmp_path / "patches"
+    pdir.mkdir()
+    bad = pdir / "0001-broken.patch"
+    bad.write_text(
+        "# 0001-broken\n# What: nothing\n# Why: test\n\n"
+        "diff --git a/include/llama.h b/include/llama.h\n--- a/include/llama.h\n+++ b/include/llama.h\n"
+        "@@ -1,3 +1,3 @@\n-this line is not in llama.h\n+neither is this\n context\n"
+    )
+    monkeypatch.setattr(patchtool, "PATCH_DIR", pdir)
+    with pytest.raises(patchtool.PatchToolError, match="0001-broken.patch does not apply"):
+        patchtool.apply_series(tree)
+    assert not (tree / patchtool.APPLIED_RECORD).exists()
+
+
+def test_wrong_pin_hash_fails_with_message(tmp_path: Path) -> None:
+    from polykv_py.cache import cache_dir
+    from polykv_py.errors import PinError
+    from polykv_py.pins import PinnedPackage, fetch
+
+    pin = patchtool.read_pin()
+    cached = cache_dir() / "downloads" / pin["sdist"]
+    assert cached.is_file(), "the pinned sdist should be cached by the build"
+    shutil.copy(cached, tmp_path / pin["sdist"])
+    wrong = PinnedPackage(pin["package"], pin["version"], pin["sdist"], "0" * 64, "sdist")
+    with pytest.raises(PinError, match="does not match the pin"):
+        fetch(wrong, tmp_path)
+    assert not (tmp_path / pin["sdist"]).exists(), "a file with the wrong hash must be removed"
+
+
+def test_series_hash_changes_with_content(tmp_path: Path, monkeypatch) -> None:
+    base = patchtool.series_hash()
+    pdir = tmp_path / "patches"
+    shutil.copytree(patchtool.PATCH_DIR, pdir)
+    monkeypatch.setattr(patchtool, "PATCH_DIR", pdir)
+    assert patchtool.series_hash() == base
+    first = sorted(pdir.glob("*.patch"))[0]
+    first.write_text(first.read_text() + "\n")
+    assert patchtool.series_hash() != base
+
+
+def test_edited_patch_is_rolled_back_and_reapplied(pristine_tree: Path, tmp_path: Path, monkeypatch) -> None:
+    tree = tmp_path / "llama.cpp"
+    shutil.copytree(pristine_tree, tree)
+    pdir = tmp_path / "patches"
+    pdir.mkdir()
+    target = "tools/server/main.cpp"
+    original = (tree / target).read_text().splitlines(keepends=True)
+
+    def write_patch(marker: str) -> None:
+        lines = "".join(original)
+        n = len(original)
+        body = "".join(" " + line for line in original)
+        (pdir / "0001-marker.patch").write_text(
+            f"# 0001-marker\n# What: {marker}\n# Why: test\n\n"
+            f"diff --git a/{target} b/{target}\n--- a/{target}\n+++ b/{target}\n"
+            f"@@ -1,{n} +1,{n + 1} @@\n{body}+// {marker}\n")
+        assert lines
+
+    monkeypatch.setattr(patchtool, "PATCH_DIR", pdir)
+    write_patch("first")
+    assert patchtool.apply_series(tree) == ["0001-marker.patch"]
+    assert (tree / target).read_text().endswith("// first\n")
+    write_patch("second")
+    assert patchtool.apply_series(tree) == ["0001-marker.patch"]
+    text = (tree / target).read_text()
+    assert text.endswith("// second\n") and "// first" not in text

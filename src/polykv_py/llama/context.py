@@ -1,0 +1,207 @@
+"""A ``llama_context`` on a :class:`Model`: decode batches, read logits, own the KV memory."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Self
+
+from .._ffi import ffi, lib
+from ..errors import ContextFullError, LlamaError, SequenceError, TokenError
+from . import state as _state
+from ._check import check_decode, check_ptr
+from .backend import max_parallel_sequences
+from .batch import Batch
+from .memory import Memory
+from .params import ContextParams
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+    from .model import Model
+
+log = logging.getLogger(__name__)
+
+_FLASH = {
+    "auto": lib.LLAMA_FLASH_ATTN_TYPE_AUTO,
+    "on": lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+    "off": lib.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+}
+
+
+class Context:
+    """Owns a ``llama_context``. Use as a context manager or call :meth:`close`.
+
+    ``memory`` is the KV view (:class:`Memory`); ``tokens_decoded`` counts tokens that
+    went through successful ``llama_decode`` calls.
+    """
+
+    def __init__(self, model: Model, params: ContextParams | None = None, **overrides: Any) -> None:
+        self._ptr: Any = ffi.NULL
+        p = replace(params or ContextParams(), **overrides)
+        p.validate(max_parallel_sequences())
+        self.model = model
+        self.params = p
+        threads = p.n_threads or os.cpu_count() or 1
+        cp = lib.llama_context_default_params()
+        cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max
+        cp.n_threads, cp.n_threads_batch = threads, p.n_threads_batch or threads
+        cp.kv_unified = p.kv_unified
+        cp.flash_attn_type = _FLASH[p.flash_attn]
+        cp.no_perf = p.no_perf
+        ptr = lib.llama_init_from_model(model.ptr, cp)
+        self._ptr = check_ptr(ptr, f"creating a context ({asdict(p)})")
+        self.n_ctx = int(lib.llama_n_ctx(ptr))
+        self.n_ctx_seq = int(lib.llama_n_ctx_seq(ptr))
+        self.n_batch = int(lib.llama_n_batch(ptr))
+        self.n_ubatch = int(lib.llama_n_ubatch(ptr))
+        self.n_seq_max = int(lib.llama_n_seq_max(ptr))
+        self.kv_unified = bool(p.kv_unified)
+        self.n_vocab = model.vocab.n_tokens
+        self.tokens_decoded = 0
+        self.memory = Memory(self)
+        self._outputs: frozenset[int] = frozenset()
+        self._pending_copies: set[int] = set()
+        model._register(self)
+
+    # -- ownership ------------------------------------------------------------------
+    @property
+    def ptr(self) -> Any:
+        if self._ptr == ffi.NULL:
+            raise LlamaError("the context is closed")
+        return self._ptr
+
+    @property
+    def closed(self) -> bool:
+        return self._ptr == ffi.NULL
+
+    def close(self) -> None:
+        if self._ptr != ffi.NULL:
+            lib.llama_free(self._ptr)
+            self._ptr = ffi.NULL
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_ptr", ffi.NULL) != ffi.NULL:
+            self.close()
+
+    @property
+    def n_stream(self) -> int:
+        """KV streams: 1 with unified KV, else one per sequence."""
+        return 1 if self.kv_unified else self.n_seq_max
+
+    # -- decoding -------------------------------------------------------------------
+    def decode(self, batch: Batch) -> None:
+        """Run ``llama_decode`` on ``batch``, after checking what libllama would assert on."""
+        n = batch.n_tokens
+        if n == 0:
+            raise LlamaError("cannot decode an empty batch")
+        if n > self.n_batch:
+            raise LlamaError(f"a batch of {n} tokens exceeds this context's n_batch={self.n_batch}")
+        if batch.max_seq_id >= self.n_seq_max:
+            raise SequenceError(
+                f"the batch uses sequence id {batch.max_seq_id}, but this context has n_seq_max={self.n_seq_max}"
+            )
+        if batch.max_token >= self.n_vocab:
+            raise TokenError(f"the batch holds token id {batch.max_token}, outside the vocabulary [0, {self.n_vocab})")
+        if not self.kv_unified and batch.multi_seq_tokens and self.n_seq_max > 1:
+            raise SequenceError(
+                "without unified KV a token cannot belong to several sequences; decode it into one and seq_cp it"
+            )
+        self._outputs = frozenset()
+        rc = int(lib.llama_decode(self.ptr, batch.struct))
+        check_decode(rc, n)
+        self._pending_copies.clear()
+        self._outputs = frozenset(batch.outputs)
+        self.tokens_decoded += n
+
+    def decode_tokens(
+        self, tokens: Sequence[int], *, seq_id: int = 0, pos0: int | None = None, logits_last: bool = True
+    ) -> int | None:
+        """Decode ``tokens`` into ``seq_id`` (in chunks of ``n_batch``), continuing after its last position.
+
+        Returns the batch index of the last token's logits (None if ``logits_last`` is false).
+        """
+        toks = self.model.vocab.check_tokens(tokens)
+        if not toks:
+            raise TokenError("no tokens to decode")
+        self.memory.check_seq(seq_id)
+        start = self.memory.seq_pos_max(seq_id) + 1 if pos0 is None else pos0
+        if start + len(toks) > self.n_ctx_seq:
+            raise ContextFullError(
+                f"sequence {seq_id} would reach position {start + len(toks) - 1}, "
+                f"beyond the {self.n_ctx_seq} positions a sequence can hold"
+            )
+        idx = None
+        with Batch(min(len(toks), self.n_batch)) as batch:
+            for off in range(0, len(toks), self.n_batch):
+                chunk = toks[off : off + self.n_batch]
+                batch.clear()
+                last = off + len(chunk) == len(toks)
+                ids = batch.add_sequence(chunk, start + off, seq_id, logits_last=logits_last and last)
+                self.decode(batch)
+                if logits_last and last:
+                    idx = ids[-1]
+        return idx
+
+    def check_output(self, idx: int) -> int:
+        """Return ``idx`` if the last decode produced logits for batch index ``idx``."""
+        if idx not in self._outputs:
+            raise LlamaError(f"batch index {idx} has no logits from the last decode (outputs: {sorted(self._outputs)})")
+        return idx
+
+    def logits(self, idx: int) -> list[float]:
+        """The logits of output ``idx`` of the last decode (``n_vocab`` floats)."""
+        self.check_output(idx)
+        p = check_ptr(lib.llama_get_logits_ith(self.ptr, idx), f"llama_get_logits_ith({idx})")
+        return list(ffi.unpack(p, self.n_vocab))
+
+    def set_threads(self, n_threads: int, n_threads_batch: int | None = None) -> None:
+        if n_threads < 1 or (n_threads_batch is not None and n_threads_batch < 1):
+            raise ValueError("thread counts must be >= 1")
+        lib.llama_set_n_threads(self.ptr, n_threads, n_threads_batch or n_threads)
+
+    def perf(self) -> dict[str, float]:
+        """libllama's own timings (ms) and token counts since the last :meth:`reset_perf`."""
+        d = lib.llama_perf_context(self.ptr)
+        return {"t_p_eval_ms": d.t_p_eval_ms, "t_eval_ms": d.t_eval_ms, "n_p_eval": d.n_p_eval, "n_eval": d.n_eval}
+
+    def reset_perf(self) -> None:
+        lib.llama_perf_context_reset(self.ptr)
+
+    # -- sequence state -------------------------------------------------------------
+    def seq_state_bytes(self, seq_id: int) -> bytes:
+        return _state.seq_state_bytes(self, seq_id)
+
+    def set_seq_state_bytes(self, data: bytes, seq_id: int) -> int:
+        return _state.set_seq_state_bytes(self, data, seq_id)
+
+    def save_seq_file(self, path: str | os.PathLike[str], seq_id: int, tokens: Sequence[int]) -> int:
+        return _state.save_seq_file(self, path, seq_id, tokens)
+
+    def load_seq_file(self, path: str | os.PathLike[str], seq_id: int) -> list[int]:
+        return _state.load_seq_file(self, path, seq_id)
+
+    def save_prefix(self, path: str | os.PathLike[str], seq_id: int, tokens: Sequence[int]) -> Path:
+        return _state.save_prefix(self, path, seq_id, tokens)
+
+    def load_prefix(
+        self, path: str | os.PathLike[str], seq_id: int, expected_tokens: Sequence[int] | None = None
+    ) -> list[int]:
+        return _state.load_prefix(self, path, seq_id, expected_tokens)
+
+    def __repr__(self) -> str:
+        if self.closed:
+            return "Context(closed)"
+        return (
+            f"Context(n_ctx={self.n_ctx}, n_seq_max={self.n_seq_max}, kv_unified={self.kv_unified}, "
+            f"n_batch={self.n_batch}, n_ubatch={self.n_ubatch})"
+        )

@@ -1,0 +1,675 @@
+"""The gate: three checks on the default model, a JSON report, an exit status.
+
+1. ``default_output``: the same requests (completion, /v1/completions and chat;
+   stream and non-stream; greedy and seeded; with probabilities; several slots at
+   once) to the patched server *without* pool fields and to the reference server,
+   same flags.  Answers must be byte-identical once :data:`VOLATILE_FIELDS` are removed.
+2. ``share_hit``: boot with ``--no-clear-idle -kvu -np 4``, prime the pool slot with a
+   deterministic base context, send sharers whose P is the common prefix of the
+   *tokenized* pool prompt and the tokenized full prompt.  Each must report a hit,
+   process only ``n_prompt - P`` tokens, and answer byte-identically to the reference
+   server answering the same request from its own cache after the same priming request.
+3. ``fallback_miss``: boot without ``--no-clear-idle`` (upstream idle-slot caching,
+   ``-kvu``): the pool is evicted, each sharer reports ``not_resident``, re-processes
+   its whole prompt, and answers byte-identically to the reference server given the
+   same sequence of requests; the server stays healthy.
+
+Library code logs through ``logging``; :func:`main` routes that to the terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import logging
+import platform
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from .client import AsyncClient, Client, aggregate_completion, aggregate_oai, common_prefix_len
+from .errors import PolykvError
+from .models import resolve_model
+from .native import ServerKind, server_binary
+from .server import LlamaServer
+
+log = logging.getLogger(__name__)
+
+Json = dict[str, Any]
+Answer = Json | list[Json]  # a non-stream body, or the list of SSE chunks of a stream
+
+CHECKS = ("default_output", "share_hit", "fallback_miss")
+
+#: Response fields that legitimately differ between two runs of the same request
+#: (wall-clock timings, random completion ids, wall-clock timestamps, the build id).
+#: Dotted paths from the top of a response body or of each stream chunk. Nothing
+#: else is removed before the byte comparison: token counts, cache_n, id_slot,
+#: probabilities and generation_settings are all compared.
+VOLATILE_FIELDS: tuple[str, ...] = (
+    "timings.prompt_ms",
+    "timings.prompt_per_token_ms",
+    "timings.prompt_per_second",
+    "timings.predicted_ms",
+    "timings.predicted_per_token_ms",
+    "timings.predicted_per_second",
+    "created",
+    "id",
+    "system_fingerprint",
+)
+
+#: Fields only a request *with* pool fields may add; removed from the sharer's answer
+#: (after they were checked) before comparing it with the reference server's answer.
+SHARE_FIELDS: tuple[str, ...] = (
+    "shared_prefix",
+    "generation_settings.shared_pool_slot",
+    "generation_settings.shared_prefix_n_tokens",
+)
+
+POOL_SLOT = 0
+N_SLOTS = 4
+NO_CACHE_IDLE = "--no-cache-idle-slots"  # upstream's name for the seed's --no-clear-idle
+NO_CLEAR_IDLE = "--no-clear-idle"
+
+PROMPTS = (
+    "The three most important rules for writing maintainable software are",
+    "Once upon a time, in a village at the edge of a forest,",
+    "Q: What is the boiling point of water at sea level?\nA:",
+    "def fibonacci(n):\n    ",
+)
+CHAT = (
+    [{"role": "system", "content": "You are a concise assistant."},
+     {"role": "user", "content": "Name two uses of a paperclip."}],
+    [{"role": "user", "content": "Write one sentence about the sea."}],
+)
+QUESTIONS = (
+    "Question: According to the handbook, which team owns the billing service?\nAnswer:",
+    "Question: Summarise rule 3 of the handbook in one sentence.\nAnswer:",
+    "Question: What should an agent do before changing a shared schema?\nAnswer:",
+    "Question: List two services mentioned in section 2.\nAnswer:",
+)
+
+
+@dataclass
+class GateConfig:
+    """What the gate runs on and how big it is."""
+
+    model: Path | None = None
+    patched_bin: Path | None = None
+    upstream_bin: Path | None = None
+    share_server: ServerKind = "patched"
+    checks: tuple[str, ...] = CHECKS
+    threads: int = 2
+    ctx: int = 8192
+    n_predict: int = 16
+    n_probs: int = 5
+    base_tokens: int = 1200
+    n_sharers: int = 3
+    log_dir: Path | None = None
+    start_timeout: float = 180.0
+    fresh_info: bool = True  # also measure fresh one-pass answers (informational, two extra prefills per sharer)
+
+
+@dataclass
+class Case:
+    """One request of a check."""
+
+    name: str
+    endpoint: str
+    body: Json
+    group: int = 0  # cases with the same non-zero group are sent concurrently
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.get("stream"))
+
+
+@dataclass
+class CheckResult:
+    """Outcome of one check."""
+
+    name: str
+    ok: bool = False
+    summary: str = ""
+    cases: list[Json] = field(default_factory=list)
+    info: Json = field(default_factory=dict)
+    duration_s: float = 0.0
+
+
+# ------------------------------------------------------------------ comparison
+def strip_fields(doc: Answer, paths: Sequence[str]) -> Answer:
+    """A copy of ``doc`` (or of each chunk) without the dotted ``paths``."""
+    if isinstance(doc, list):
+        return [strip_fields(chunk, paths) for chunk in doc]  # type: ignore[misc]
+    out = copy.deepcopy(doc)
+    for path in paths:
+        *parents, leaf = path.split(".")
+        node: Any = out
+        for key in parents:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+    return out
+
+
+def canonical(doc: Answer) -> bytes:
+    """The bytes compared: compact JSON in the server's key order."""
+    return json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def first_difference(a: Any, b: Any, path: str = "$") -> str:
+    """A short description of where two JSON values first differ ('' if equal)."""
+    if type(a) is not type(b):
+        return f"{path}: {_short(a)} != {_short(b)}"
+    if isinstance(a, dict):
+        if list(a) != list(b):
+            return f"{path} keys: {sorted(set(a) ^ set(b)) or 'order differs'}"
+        for k in a:
+            d = first_difference(a[k], b[k], f"{path}.{k}")
+            if d:
+                return d
+        return ""
+    if isinstance(a, list):
+        if len(a) != len(b):
+            return f"{path}: length {len(a)} != {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            d = first_difference(x, y, f"{path}[{i}]")
+            if d:
+                return d
+        return ""
+    return "" if a == b else f"{path}: {_short(a)} != {_short(b)}"
+
+
+def _short(v: Any) -> str:
+    s = json.dumps(v, ensure_ascii=False)
+    return s if len(s) <= 120 else s[:117] + "..."
+
+
+def compare(a: Answer, b: Answer, strip_a: Sequence[str], strip_b: Sequence[str]) -> tuple[bool, str]:
+    """Byte-compare two answers after removing the given fields; (equal, first difference)."""
+    na, nb = strip_fields(a, strip_a), strip_fields(b, strip_b)
+    if canonical(na) == canonical(nb):
+        return True, ""
+    return False, first_difference(na, nb) or "bytes differ"
+
+
+def final_of(doc: Answer, endpoint: str) -> Json:
+    """The aggregated result of a stream, or the body itself."""
+    if isinstance(doc, dict):
+        return doc
+    if endpoint == "/completion":
+        return aggregate_completion(copy.deepcopy(doc))
+    return aggregate_oai(copy.deepcopy(doc), chat=endpoint.endswith("chat/completions"))
+
+
+def first_token_logprob_diff(a: Json, b: Json) -> float | None:
+    """Max |logprob difference| over the first-token candidates both answers list."""
+    try:
+        pa = {p["id"]: p["logprob"] for p in a["completion_probabilities"][0]["top_logprobs"]}
+        pb = {p["id"]: p["logprob"] for p in b["completion_probabilities"][0]["top_logprobs"]}
+    except (KeyError, IndexError, TypeError):
+        return None
+    common = set(pa) & set(pb)
+    return max((abs(pa[t] - pb[t]) for t in common), default=None)
+
+
+# ------------------------------------------------------------------ requests
+def send(client: Client, case: Case) -> Answer:
+    """Send one case; a stream comes back as its list of chunks."""
+    if case.stream:
+        return list(client.stream_events(case.endpoint, case.body))
+    return client.post_json(case.endpoint, case.body)
+
+
+async def _send_async(client: AsyncClient, case: Case) -> Answer:
+    if case.stream:
+        return [chunk async for chunk in client.stream_events(case.endpoint, case.body)]
+    return await client.post_json(case.endpoint, case.body)
+
+
+def run_cases(server: LlamaServer, cases: Sequence[Case]) -> dict[str, Answer]:
+    """Send ``cases`` in order; consecutive cases of one non-zero group go out concurrently."""
+    out: dict[str, Answer] = {}
+    i = 0
+    while i < len(cases):
+        group = [cases[i]]
+        if cases[i].group:
+            while i + len(group) < len(cases) and cases[i + len(group)].group == cases[i].group:
+                group.append(cases[i + len(group)])
+        if len(group) == 1:
+            out[group[0].name] = send(server.client, group[0])
+        else:
+            for case, answer in zip(group, asyncio.run(_gather(server, group)), strict=True):
+                out[case.name] = answer
+        i += len(group)
+    return out
+
+
+async def _gather(server: LlamaServer, cases: Sequence[Case]) -> list[Answer]:
+    async with server.async_client() as client:
+        return list(await asyncio.gather(*(_send_async(client, c) for c in cases)))
+
+
+def default_output_cases(n_predict: int, n_probs: int) -> list[Case]:
+    """The request set of the default-output check."""
+    greedy = {"temperature": 0.0}
+    seeded = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "seed": 42}
+    cases: list[Case] = []
+    variants = ((greedy, "greedy", PROMPTS[0], CHAT[0]), (seeded, "seeded", PROMPTS[1], CHAT[1]))
+    for sampling, sname, prompt, chat in variants:
+        for stream in (False, True):
+            suffix = f"{sname}/{'stream' if stream else 'plain'}"
+            cases.append(Case(f"completion/{suffix}", "/completion",
+                              {"prompt": prompt, "n_predict": n_predict, "n_probs": n_probs, **sampling,
+                               "stream": stream}))
+            cases.append(Case(f"chat/{suffix}", "/v1/chat/completions",
+                              {"messages": chat, "max_tokens": n_predict, "logprobs": True, "top_logprobs": n_probs,
+                               **sampling, "stream": stream}))
+    for stream in (False, True):
+        cases.append(Case(f"v1-completions/greedy/{'stream' if stream else 'plain'}", "/v1/completions",
+                          {"prompt": PROMPTS[2], "max_tokens": n_predict, "logprobs": n_probs, "temperature": 0.0,
+                           "stream": stream}))
+    # several slots at once
+    cases += [
+        Case("concurrent/slot1/completion", "/completion",
+             {"prompt": PROMPTS[3], "n_predict": n_predict, "n_probs": n_probs, "temperature": 0.0, "id_slot": 1}, 1),
+        Case("concurrent/slot2/completion-seeded-stream", "/completion",
+             {"prompt": PROMPTS[0], "n_predict": n_predict, "n_probs": n_probs, **seeded, "id_slot": 2,
+              "stream": True}, 1),
+        Case("concurrent/slot3/chat", "/v1/chat/completions",
+             {"messages": CHAT[1], "max_tokens": n_predict, "temperature": 0.0, "id_slot": 3}, 1),
+    ]
+    return cases
+
+
+# ------------------------------------------------------------------ base context
+_WORDS = ("agent", "service", "schema", "billing", "queue", "cache", "review", "deploy", "owner", "team", "ticket",
+          "release", "incident", "latency", "budget", "contract", "storage", "index", "shard", "replica", "token",
+          "request", "response", "metric", "alert", "runbook", "branch", "merge", "test", "module")
+_TEAMS = ("Atlas", "Borealis", "Cobalt", "Delta", "Ember", "Fjord")
+
+
+def base_sections(seed: int = 1234) -> list[str]:
+    """Deterministic sections of a fake engineering handbook (no downloads)."""
+    rng = random.Random(seed)
+    sections: list[str] = ["ENGINEERING HANDBOOK\n\nThis handbook is shared by every agent working on the platform.\n"]
+    for n in range(1, 200):
+        team = rng.choice(_TEAMS)
+        lines = [f"Section {n}. The {rng.choice(_WORDS)} {rng.choice(_WORDS)} is owned by team {team}."]
+        for r in range(1, 4):
+            words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(6, 12)))
+            lines.append(f"Rule {n}.{r}: every {rng.choice(_WORDS)} must {words}.")
+        sections.append("\n".join(lines) + "\n")
+    return sections
+
+
+def build_base(tokenize: Callable[[str], list[int]], n_tokens: int) -> str:
+    """A base context of at least ``n_tokens`` tokens, ending in a blank line ("\\n\\n")."""
+    text = ""
+    for section in base_sections():
+        text += section + "\n"
+        if len(tokenize(text + "\n")) >= n_tokens:
+            break
+    return text + "\n"
+
+
+@dataclass
+class Sharer:
+    """One agent request over the base context."""
+
+    index: int
+    slot: int
+    prompt: str
+    p: int  # shared prefix length, from the tokenized prompts
+    n_prompt: int
+    body: Json
+
+    @property
+    def case(self) -> Case:
+        return Case(f"sharer{self.index}/slot{self.slot}", "/completion", self.body)
+
+    def with_pool(self, group: int = 0) -> Case:
+        body = {**self.body, "shared_pool_slot": POOL_SLOT, "shared_prefix_n_tokens": self.p}
+        return Case(self.case.name + "/pool", "/completion", body, group)
+
+    def fresh(self) -> Case:
+        return Case(self.case.name + "/fresh", "/completion", {**self.body, "cache_prompt": False})
+
+
+def make_sharers(client: Client, base: str, cfg: GateConfig) -> tuple[list[Sharer], Json]:
+    """Sharers with P computed from the tokenized pool prompt and tokenized full prompts."""
+    base_tokens = client.prompt_tokens(base)
+    samplings: tuple[Json, ...] = (
+        {"temperature": 0.0},
+        {"temperature": 0.8, "top_k": 40, "seed": 42},
+        {"temperature": 0.0, "stream": True},
+    )
+    sharers = []
+    for i in range(cfg.n_sharers):
+        prompt = base + QUESTIONS[i % len(QUESTIONS)]
+        tokens = client.prompt_tokens(prompt)
+        p = common_prefix_len(base_tokens, tokens)
+        slot = 1 + i % (N_SLOTS - 1)
+        body = {"prompt": prompt, "n_predict": cfg.n_predict, "n_probs": cfg.n_probs, "id_slot": slot,
+                **samplings[i % len(samplings)]}
+        sharers.append(Sharer(i + 1, slot, prompt, p, len(tokens), body))
+    info = {"base_chars": len(base), "base_tokens_alone": len(base_tokens), "shared_prefix_p": [s.p for s in sharers],
+            "n_prompt": [s.n_prompt for s in sharers]}
+    return sharers, info
+
+
+def prime(client: Client, base: str, slot: int) -> Json:
+    """Fill ``slot`` with the base context (prompt processed, nothing generated)."""
+    return client.completion(base, n_predict=0, id_slot=slot, cache_prompt=True, temperature=0.0)
+
+
+# ------------------------------------------------------------------ servers
+def no_clear_idle_flag(binary: Path) -> str:
+    """``--no-clear-idle`` if the binary knows it, else upstream's ``--no-cache-idle-slots``."""
+    try:
+        out = subprocess.run([str(binary), "--help"], capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return NO_CACHE_IDLE
+    return NO_CLEAR_IDLE if NO_CLEAR_IDLE in out.stdout + out.stderr else NO_CACHE_IDLE
+
+
+class _Servers:
+    """Starts the servers of the checks; resolves each binary only when first needed."""
+
+    def __init__(self, cfg: GateConfig) -> None:
+        self.cfg = cfg
+        self.model = resolve_model(cfg.model)
+        self._given = {"patched": cfg.patched_bin, "upstream": cfg.upstream_bin}
+        self.bins: dict[str, Path] = {}
+
+    def binary(self, kind: str) -> Path:
+        if kind not in self.bins:
+            given = self._given[kind]
+            self.bins[kind] = Path(given) if given else server_binary(kind)  # type: ignore[arg-type]
+        return self.bins[kind]
+
+    def start(self, kind: str, args: list[str], name: str) -> LlamaServer:
+        srv = LlamaServer(self.binary(kind), self.model, args, kind=kind, threads=self.cfg.threads,  # type: ignore[arg-type]
+                          log_dir=self.cfg.log_dir, name=name, start_timeout=self.cfg.start_timeout)
+        srv.start()
+        log.info("  started %s: %s (log %s)", name, " ".join(srv.command(srv.port)[3:]), srv.log_path)
+        return srv
+
+
+def _base_args(cfg: GateConfig) -> list[str]:
+    return ["-c", str(cfg.ctx), "-np", str(N_SLOTS), "-kvu"]
+
+
+# ------------------------------------------------------------------ checks
+def check_default_output(servers: _Servers) -> CheckResult:
+    """Patched without pool fields vs reference, same flags, same requests."""
+    cfg = servers.cfg
+    res = CheckResult("default_output")
+    cases = default_output_cases(cfg.n_predict, cfg.n_probs)
+    args = _base_args(cfg)
+    res.info = {"flags": args, "volatile_fields": list(VOLATILE_FIELDS), "n_requests": len(cases)}
+    answers: dict[str, dict[str, Answer]] = {}
+    for kind in ("upstream", "patched"):
+        with servers.start(kind, args, f"default-{kind}") as srv:
+            answers[kind] = run_cases(srv, cases)
+            if not srv.is_alive():
+                raise PolykvError(f"{kind} server died during the default-output requests")
+    for case in cases:
+        ok, diff = compare(answers["patched"][case.name], answers["upstream"][case.name],
+                           VOLATILE_FIELDS, VOLATILE_FIELDS)
+        final = final_of(answers["patched"][case.name], case.endpoint)
+        text = final.get("content") or (final.get("choices") or [{}])[0].get("text") or \
+            ((final.get("choices") or [{}])[0].get("message") or {}).get("content")
+        res.cases.append({"name": case.name, "ok": ok, "difference": diff, "text": text,
+                          "chunks": len(answers["patched"][case.name]) if case.stream else None})
+        log.info("  %-45s %s%s", case.name, "identical" if ok else "DIFFERENT: ", diff)
+    bad = [c["name"] for c in res.cases if not c["ok"]]
+    res.ok = not bad
+    res.summary = (f"{len(cases)} requests byte-identical to the reference server (after removing only "
+                   f"{', '.join(VOLATILE_FIELDS)})" if res.ok else f"{len(bad)}/{len(cases)} answers differ: {bad}")
+    return res
+
+
+def _sharer_verdict(answer: Json, sharer: Sharer, expect: str) -> tuple[bool, str, Json]:
+    sp = answer.get("shared_prefix")
+    prompt_n = (answer.get("timings") or {}).get("prompt_n")
+    got = {"shared_prefix": sp, "prompt_n": prompt_n, "tokens_evaluated": answer.get("tokens_evaluated")}
+    if sp is None:
+        return False, ("no shared_prefix field in the response: the server ignored shared_pool_slot "
+                       "(is this the patched server?)"), got
+    if sp.get("status") != expect:
+        return False, f"shared_prefix.status is {sp.get('status')!r}, expected {expect!r} ({sp})", got
+    if expect == "hit":
+        if sp.get("shared") != sharer.p or sp.get("requested") != sharer.p:
+            return False, (f"shared_prefix reports requested={sp.get('requested')} shared={sp.get('shared')}, "
+                           f"P={sharer.p}"), got
+        want = max(sharer.n_prompt - sharer.p, 1)
+        if prompt_n != want:
+            return False, f"processed {prompt_n} prompt tokens, expected n_prompt - P = {want}", got
+        return True, f"hit, shared {sharer.p}, processed {prompt_n} = {sharer.n_prompt} - {sharer.p}", got
+    if prompt_n != sharer.n_prompt:
+        return False, f"processed {prompt_n} prompt tokens, expected the full prompt ({sharer.n_prompt})", got
+    return True, f"miss reported ({expect}), full prompt of {prompt_n} tokens re-processed", got
+
+
+def check_share_hit(servers: _Servers) -> CheckResult:
+    """Sharers hit one pool together, and each is exact against the reference's own-cache answer.
+
+    Two phases.  *Together*: one server, the pool primed once, all sharers sent at
+    once; each must hit and process only ``n_prompt - P`` tokens.  *Exact*: for each
+    sharer a fresh share server (prime the pool, send the sharer) and a fresh
+    reference server (prime slot s, send the same request to slot s), so that both
+    lay the request's KV cells out the same way: on this tree the CPU flash-attention
+    kernel walks the cache in fixed tiles of cells, so where a cell sits changes the
+    rounding, and only like-for-like layouts can be compared byte for byte.
+    """
+    cfg = servers.cfg
+    res = CheckResult("share_hit")
+    kind = cfg.share_server
+    args = _base_args(cfg) + [no_clear_idle_flag(servers.binary(kind))]
+    ref_args = _base_args(cfg) + [NO_CACHE_IDLE]
+    res.info = {"share_server": kind, "flags": args, "reference_flags": ref_args}
+
+    # phase 1: all sharers on one pool, at once
+    with servers.start(kind, args, f"share-{kind}-together") as srv:
+        base = build_base(srv.client.prompt_tokens, cfg.base_tokens)
+        sharers, sinfo = make_sharers(srv.client, base, cfg)
+        res.info.update(sinfo)
+        primed = prime(srv.client, base, POOL_SLOT)
+        res.info["pool_prime_prompt_n"] = (primed.get("timings") or {}).get("prompt_n")
+        log.info("  pool slot %d primed with %s base tokens; P per sharer %s (the base alone tokenizes to %d)",
+                 POOL_SLOT, res.info["pool_prime_prompt_n"], sinfo["shared_prefix_p"], sinfo["base_tokens_alone"])
+        together = run_cases(srv, [s.with_pool(group=1) for s in sharers])
+        health = srv.health_state()
+    together_cases = []
+    for s in sharers:
+        ok, why, got = _sharer_verdict(final_of(together[s.with_pool().name], "/completion"), s, "hit")
+        together_cases.append({"name": s.case.name, "ok": ok, "status_check": why, **got})
+        log.info("  together %s: %s", s.case.name, why)
+    res.info["together"] = {"n_sharers": len(sharers), "health_after": health, "cases": together_cases}
+
+    # phase 2: each sharer against the reference, like-for-like
+    for s in sharers:
+        with servers.start(kind, args, f"share-{kind}-{s.index}") as srv:
+            prime(srv.client, base, POOL_SLOT)
+            mine_raw = send(srv.client, s.with_pool())
+            mine_fresh = final_of(send(srv.client, s.fresh()), "/completion") if cfg.fresh_info else {}
+        with servers.start("upstream", ref_args, f"share-reference-{s.index}") as ref:
+            prime(ref.client, base, s.slot)
+            own_raw = send(ref.client, s.case)
+            ref_fresh = final_of(send(ref.client, s.fresh()), "/completion") if cfg.fresh_info else {}
+        mine, own = final_of(mine_raw, "/completion"), final_of(own_raw, "/completion")
+        ok_status, why, got = _sharer_verdict(mine, s, "hit")
+        same, diff = compare(mine_raw, own_raw, VOLATILE_FIELDS + SHARE_FIELDS, VOLATILE_FIELDS)
+        info = {
+            "share_server_first_token_max_logprob_diff": first_token_logprob_diff(mine, mine_fresh),
+            "share_server_text_equal": mine.get("content") == mine_fresh.get("content"),
+            "reference_first_token_max_logprob_diff": first_token_logprob_diff(own, ref_fresh),
+            "reference_text_equal": own.get("content") == ref_fresh.get("content"),
+            "together_phase_text_equal": mine.get("content")
+            == final_of(together[s.with_pool().name], "/completion").get("content"),
+        }
+        res.cases.append({
+            "name": s.case.name, "ok": ok_status and same, "P": s.p, "n_prompt": s.n_prompt, **got,
+            "status_ok": ok_status, "status_check": why, "identical_to_reference_own_cache": same,
+            "difference": diff, "text": mine.get("content"), "info_vs_fresh_one_pass": info,
+        })
+        log.info("  exact %s: P=%d n_prompt=%d -> %s; vs reference own cache: %s", s.case.name, s.p, s.n_prompt,
+                 why, "identical" if same else f"DIFFERENT: {diff}")
+        log.info("    (info) fresh one-pass vs cached answer, max first-token |dlogprob|: share server %s, "
+                 "reference %s", info["share_server_first_token_max_logprob_diff"],
+                 info["reference_first_token_max_logprob_diff"])
+
+    bad_together = [c for c in together_cases if not c["ok"]]
+    bad = [c for c in res.cases if not c["ok"]]
+    res.ok = not bad and not bad_together and health == "ok"
+    if bad_together:
+        res.summary = (f"{len(bad_together)}/{len(sharers)} sharers failed on the shared pool; "
+                       f"{bad_together[0]['name']}: {bad_together[0]['status_check']}")
+    elif health != "ok":
+        res.summary = f"the {kind} server is {health} after the sharers"
+    elif bad:
+        first = bad[0]
+        reason = first["status_check"] if not first["status_ok"] else f"output differs: {first['difference']}"
+        res.summary = f"{len(bad)}/{len(res.cases)} sharers failed against the reference; {first['name']}: {reason}"
+    else:
+        res.summary = (f"{len(sharers)} concurrent sharers hit one pool (P={[s.p for s in sharers]}) and processed "
+                       f"only n_prompt - P tokens; each answered byte-identically to the reference server's "
+                       f"own-cache answer")
+    return res
+
+
+def check_fallback_miss(servers: _Servers) -> CheckResult:
+    """Without --no-clear-idle the pool is evicted: sharers miss, re-process, match the reference."""
+    cfg = servers.cfg
+    res = CheckResult("fallback_miss")
+    args = _base_args(cfg)
+    res.info = {"flags": args}
+    with servers.start("patched", args, "fallback-patched") as srv:
+        base = build_base(srv.client.prompt_tokens, cfg.base_tokens)
+        sharers, sinfo = make_sharers(srv.client, base, cfg)
+        res.info.update(sinfo)
+        prime(srv.client, base, POOL_SLOT)
+        answers, health = {}, []
+        for s in sharers:
+            answers[s.index] = send(srv.client, s.with_pool())
+            health.append(srv.health_state())
+        verdicts = {s.index: _sharer_verdict(final_of(answers[s.index], "/completion"), s, "not_resident")
+                    for s in sharers}
+    with servers.start("upstream", args, "fallback-reference") as ref:
+        prime(ref.client, base, POOL_SLOT)
+        ref_answers = {s.index: send(ref.client, s.case) for s in sharers}
+    res.info["health_after_each_sharer"] = health
+    for s in sharers:
+        ok_status, why, got = verdicts[s.index]
+        same, diff = compare(answers[s.index], ref_answers[s.index], VOLATILE_FIELDS + SHARE_FIELDS, VOLATILE_FIELDS)
+        res.cases.append({"name": s.case.name, "ok": ok_status and same, "P": s.p, "n_prompt": s.n_prompt, **got,
+                          "status_ok": ok_status, "status_check": why, "identical_to_reference": same,
+                          "difference": diff})
+        log.info("  %s: %s; vs reference: %s", s.case.name, why, "identical" if same else f"DIFFERENT: {diff}")
+    bad = [c for c in res.cases if not c["ok"]]
+    healthy = all(h == "ok" for h in health)
+    res.ok = not bad and healthy
+    if not healthy:
+        res.summary = f"server not healthy after the sharers: {health}"
+    elif bad:
+        first = bad[0]
+        reason = first["status_check"] if not first["status_ok"] else f"output differs: {first['difference']}"
+        res.summary = f"{len(bad)}/{len(res.cases)} sharers failed; {first['name']}: {reason}"
+    else:
+        res.summary = (f"pool evicted by idle-slot caching: {len(sharers)} sharers reported not_resident, re-processed "
+                       f"their full prompts, answered byte-identically to the reference; server healthy")
+    return res
+
+
+_CHECK_FUNCS: dict[str, Callable[[_Servers], CheckResult]] = {
+    "default_output": check_default_output,
+    "share_hit": check_share_hit,
+    "fallback_miss": check_fallback_miss,
+}
+
+
+def run_gate(cfg: GateConfig | None = None) -> Json:
+    """Run the configured checks and return the report (``report["ok"]`` is the verdict)."""
+    cfg = cfg or GateConfig()
+    t0 = time.monotonic()
+    servers = _Servers(cfg)
+    report: Json = {
+        "ok": False,
+        "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
+        "model": str(servers.model),
+        "machine": {"platform": platform.platform(), "python": platform.python_version()},
+        "volatile_fields": list(VOLATILE_FIELDS),
+        "share_fields": list(SHARE_FIELDS),
+        "checks": {},
+    }
+    for name in cfg.checks:
+        if name not in _CHECK_FUNCS:
+            raise ValueError(f"unknown check {name!r}; choose from {CHECKS}")
+        log.info("== %s", name)
+        t = time.monotonic()
+        try:
+            result = _CHECK_FUNCS[name](servers)
+        except PolykvError as exc:
+            result = CheckResult(name, ok=False, summary=f"could not run: {exc}")
+        result.duration_s = round(time.monotonic() - t, 1)
+        log.info("== %s: %s: %s (%.0fs)", name, "PASS" if result.ok else "FAIL", result.summary, result.duration_s)
+        report["checks"][name] = asdict(result)
+    report["binaries"] = {k: str(v) for k, v in servers.bins.items()}
+    report["ok"] = all(c["ok"] for c in report["checks"].values()) and bool(report["checks"])
+    report["duration_s"] = round(time.monotonic() - t0, 1)
+    return report
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="polykv gate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--report", type=Path, help="write the JSON report here")
+    p.add_argument("--checks", default=",".join(CHECKS), help=f"comma-separated subset of {','.join(CHECKS)}")
+    p.add_argument("--share-server", choices=("patched", "upstream"), default="patched",
+                   help="server the share check runs on (upstream: a negative control that must FAIL)")
+    p.add_argument("--model", type=Path, help="GGUF (default: the pinned default model)")
+    p.add_argument("--patched-bin", type=Path)
+    p.add_argument("--upstream-bin", type=Path)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--ctx", type=int, default=8192)
+    p.add_argument("--n-predict", type=int, default=16)
+    p.add_argument("--base-tokens", type=int, default=1200)
+    p.add_argument("--sharers", type=int, default=3)
+    p.add_argument("--log-dir", type=Path, help="server logs (default: a temporary directory)")
+    p.add_argument("--skip-fresh-info", action="store_true",
+                   help="do not measure the informational fresh one-pass answers (saves two prefills per sharer)")
+    p.add_argument("-q", "--quiet", action="store_true")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the gate from the command line: 0 all checks passed, 1 a check failed."""
+    args = build_parser().parse_args(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stdout)
+    log.setLevel(logging.WARNING if args.quiet else logging.INFO)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    cfg = GateConfig(model=args.model, patched_bin=args.patched_bin, upstream_bin=args.upstream_bin,
+                     share_server=args.share_server, checks=tuple(c for c in args.checks.split(",") if c),
+                     threads=args.threads, ctx=args.ctx, n_predict=args.n_predict, base_tokens=args.base_tokens,
+                     n_sharers=args.sharers, log_dir=args.log_dir, fresh_info=not args.skip_fresh_info)
+    try:
+        report = run_gate(cfg)
+    except (PolykvError, ValueError) as exc:
+        log.error("gate could not run: %s", exc)
+        report = {"ok": False, "error": str(exc), "checks": {}}
+    if args.report:
+        args.report.parent.mkdir(parents=True, exist_ok=True)
+        args.report.write_text(json.dumps(report, indent=2) + "\n")
+    for name, check in report["checks"].items():
+        print(f"{'PASS' if check['ok'] else 'FAIL'}  {name}: {check['summary']}")
+    print(f"gate {'PASSED' if report['ok'] else 'FAILED'}" + (f"; report: {args.report}" if args.report else ""))
+    return 0 if report["ok"] else 1

@@ -1,0 +1,414 @@
+"""Start, watch and stop a llama-server process (patched or reference).
+
+:class:`LlamaServer` runs one binary on a free loopback port, in its own process
+group, logging to a file of its own.  It is ready when ``GET /health`` answers 200;
+a 503 "Loading model" means it is still loading.  A process that exits or a start
+that times out raises :class:`~polykv_py.errors.ServerError` with the exit status
+and the tail of the log.  Every started server is also registered with a
+``weakref.finalize`` (which runs at interpreter exit), so no server outlives the
+Python process that started it, even when a test fails half-way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import itertools
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, TYPE_CHECKING
+
+import httpx
+import psutil
+
+from .errors import ServerError
+from .models import resolve_model
+from .native import ServerKind, server_binary
+
+if TYPE_CHECKING:
+    from .client import AsyncClient, Client
+
+log = logging.getLogger(__name__)
+
+#: Default number of CPU threads given to a server (``-t``).
+DEFAULT_THREADS = 2
+#: Seconds a start may take before it is declared failed.
+DEFAULT_START_TIMEOUT = 120.0
+#: Seconds ``stop()`` waits after SIGTERM before it sends SIGKILL.
+DEFAULT_STOP_TIMEOUT = 10.0
+
+_BIND_FAILURE = "couldn't bind HTTP server socket"
+_PR_SET_PDEATHSIG = 1
+_counter = itertools.count(1)
+_log_root: Path | None = None
+_log_root_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class ProcessUsage:
+    """Memory and CPU readings summed over a server's process tree."""
+
+    rss_bytes: int
+    cpu_user_s: float
+    cpu_system_s: float
+    n_processes: int
+
+    @property
+    def cpu_s(self) -> float:
+        """User plus system CPU seconds."""
+        return self.cpu_user_s + self.cpu_system_s
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def default_log_dir() -> Path:
+    """One temporary directory per Python process for the server logs."""
+    global _log_root
+    with _log_root_lock:
+        if _log_root is None:
+            _log_root = Path(tempfile.mkdtemp(prefix="polykv-servers-"))
+        return _log_root
+
+
+def read_log_tail(path: Path, n: int = 40) -> str:
+    """The last ``n`` lines of a log file ('' if it does not exist)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 256 * 1024))
+            lines: deque[bytes] = deque(f, maxlen=n)
+    except FileNotFoundError:
+        return ""
+    return b"".join(lines).decode("utf-8", errors="replace").rstrip("\n")
+
+
+def _load_prctl() -> Callable[..., int] | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl() if sys.platform.startswith("linux") else None  # resolved here, never in the child
+
+
+def _set_pdeathsig() -> None:
+    """Runs in the child between fork and exec: SIGKILL it when its parent thread dies."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def _terminate_group(proc: subprocess.Popen[bytes], timeout: float) -> int | None:
+    """SIGTERM the process group of ``proc``, wait, then SIGKILL it. Returns the exit status."""
+    if proc.poll() is not None:
+        return proc.returncode  # already reaped: its group id may belong to someone else by now
+    pgid = proc.pid  # start_new_session: the leader's pid is the group id
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        log.warning("llama-server pid %d ignored SIGTERM for %.1fs; sending SIGKILL", proc.pid, timeout)
+    # the leader is exited but not yet reaped by anyone else, so pgid is still ours:
+    # make sure nothing of its group survives
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=timeout)
+    return proc.returncode
+
+
+def _finalize(proc: subprocess.Popen[bytes], log_file: IO[bytes]) -> None:
+    """Finalizer registered for every started server (also runs at interpreter exit)."""
+    _terminate_group(proc, timeout=5.0)
+    log_file.close()
+
+
+class LlamaServer:
+    """One llama-server process bound to a free loopback port.
+
+    ``binary`` defaults to :func:`~polykv_py.native.server_binary` of ``kind``;
+    ``model`` to :func:`~polykv_py.models.resolve_model`. ``args`` are passed last, so
+    they win over the defaults (``-t threads``). Use as a context manager or call
+    :meth:`start` and :meth:`stop`.
+    """
+
+    def __init__(
+        self,
+        binary: str | os.PathLike[str] | None = None,
+        model: str | os.PathLike[str] | None = None,
+        args: Sequence[str | int | float] = (),
+        *,
+        kind: ServerKind = "patched",
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        threads: int = DEFAULT_THREADS,
+        api_key: str | None = None,
+        metrics: bool = True,
+        log_dir: str | os.PathLike[str] | None = None,
+        name: str | None = None,
+        env: dict[str, str] | None = None,
+        start_timeout: float = DEFAULT_START_TIMEOUT,
+        die_with_parent: bool | None = None,
+    ) -> None:
+        self.kind = kind
+        self.binary = Path(binary) if binary is not None else server_binary(kind)
+        self.model = resolve_model(model)
+        self.args = [str(a) for a in args]
+        self.host = host
+        self._requested_port = port
+        self.threads = threads
+        self.api_key = api_key
+        self.metrics = metrics
+        self.name = name or kind
+        self.start_timeout = start_timeout
+        self._extra_env = dict(env or {})
+        self._die_with_parent = die_with_parent
+        self._log_dir = Path(log_dir) if log_dir is not None else None
+        self._port: int | None = None
+        self._log_path: Path | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._finalizer: weakref.finalize | None = None
+        self._log_file: IO[bytes] | None = None
+        self._client: Client | None = None
+
+    # ----------------------------------------------------------------- properties
+    @property
+    def port(self) -> int:
+        """The TCP port (chosen at start)."""
+        if self._port is None:
+            raise ServerError(f"{self.name} server has not been started")
+        return self._port
+
+    @property
+    def url(self) -> str:
+        """Base URL, e.g. ``http://127.0.0.1:43123``."""
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        """The server's log file (stdout and stderr)."""
+        if self._log_path is None:
+            raise ServerError(f"{self.name} server has not been started")
+        return self._log_path
+
+    @property
+    def pid(self) -> int:
+        """Process id of the server (also its process group id)."""
+        if self._proc is None:
+            raise ServerError(f"{self.name} server has not been started")
+        return self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        """Exit status once the process has ended, else None (negative: killed by that signal)."""
+        return None if self._proc is None else self._proc.poll()
+
+    @property
+    def client(self) -> Client:
+        """A :class:`~polykv_py.client.Client` bound to this server (created on first use)."""
+        from .client import Client
+
+        if self._client is None:
+            self._client = Client(self.url, api_key=self.api_key, server=self)
+        return self._client
+
+    def async_client(self, **kwargs: object) -> AsyncClient:
+        """A new :class:`~polykv_py.client.AsyncClient` bound to this server (caller closes it)."""
+        from .client import AsyncClient
+
+        return AsyncClient(self.url, api_key=self.api_key, server=self, **kwargs)  # type: ignore[arg-type]
+
+    def command(self, port: int) -> list[str]:
+        """The command line used for ``port``."""
+        cmd = [str(self.binary), "-m", str(self.model), "--host", self.host, "--port", str(port)]
+        cmd += ["-t", str(self.threads)]
+        if self.metrics:
+            cmd.append("--metrics")
+        if self.api_key:
+            cmd += ["--api-key", self.api_key]
+        return cmd + self.args
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, timeout: float | None = None) -> LlamaServer:
+        """Start the process and wait until ``/health`` says it is ready."""
+        if self._proc is not None and self._proc.poll() is None:
+            raise ServerError(f"{self.name} server is already running (pid {self._proc.pid})")
+        timeout = self.start_timeout if timeout is None else timeout
+        attempts = 1 if self._requested_port is not None else 3
+        for attempt in range(1, attempts + 1):
+            self._spawn(self._requested_port or free_port(self.host))
+            try:
+                self._wait_ready(timeout)
+                return self
+            except ServerError as exc:
+                if attempt < attempts and _BIND_FAILURE in exc.log_tail:
+                    log.info("port %d was taken before %s bound it; retrying", self._port, self.name)
+                    continue
+                raise
+        raise AssertionError("unreachable")
+
+    def _spawn(self, port: int) -> None:
+        log_dir = self._log_dir or default_log_dir()
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self._port = port
+        self._log_path = log_dir / f"{self.name}-{port}-{next(_counter)}.log"
+        self._client = None
+        cmd = self.command(port)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}
+        env.update(self._extra_env)
+        die = self._die_with_parent
+        if die is None:  # PDEATHSIG follows the creating *thread*: only safe from the main thread
+            die = threading.current_thread() is threading.main_thread()
+        log_file = open(self._log_path, "wb")
+        log.info("starting %s: %s (log %s)", self.name, " ".join(_redact(cmd)), self._log_path)
+        try:
+            self._proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_set_pdeathsig if die and _PRCTL is not None else None,
+            )
+        except OSError as exc:
+            log_file.close()
+            raise ServerError(f"cannot execute {self.binary}: {exc}") from exc
+        self._log_file = log_file
+        self._finalizer = weakref.finalize(self, _finalize, self._proc, log_file)
+
+    def _wait_ready(self, timeout: float) -> None:
+        assert self._proc is not None
+        deadline = time.monotonic() + timeout
+        last = "no answer yet"
+        with httpx.Client(timeout=5.0, trust_env=False) as http:
+            while True:
+                status = self._proc.poll()
+                if status is not None:
+                    self._release()
+                    raise ServerError(
+                        f"{self.name} llama-server exited during startup", exit_status=status, log_tail=self.log_tail()
+                    )
+                try:
+                    resp = http.get(f"{self.url}/health")
+                    if resp.status_code == 200:
+                        log.info("%s ready at %s (pid %d)", self.name, self.url, self._proc.pid)
+                        return
+                    last = f"HTTP {resp.status_code}: {resp.text[:200]}"
+                    if resp.status_code != 503 or "loading" not in resp.text.lower():
+                        log.debug("%s health not ready: %s", self.name, last)
+                except httpx.TransportError as exc:
+                    last = f"{type(exc).__name__}: {exc}"
+                if time.monotonic() >= deadline:
+                    tail = self.log_tail()
+                    self.stop()
+                    raise ServerError(
+                        f"{self.name} llama-server not ready after {timeout:.0f}s (last health answer: {last})",
+                        log_tail=tail,
+                    )
+                time.sleep(0.1)
+
+    def health_state(self) -> str:
+        """``"ok"``, ``"loading"``, ``"error"`` (any other answer), ``"unreachable"`` or ``"dead"``."""
+        if not self.is_alive():
+            return "dead"
+        try:
+            resp = httpx.get(f"{self.url}/health", timeout=5.0, trust_env=False)
+        except httpx.TransportError:
+            return "unreachable"
+        if resp.status_code == 200:
+            return "ok"
+        if resp.status_code == 503 and "loading" in resp.text.lower():
+            return "loading"
+        return "error"
+
+    def is_alive(self) -> bool:
+        """True while the server process runs."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def stop(self, timeout: float = DEFAULT_STOP_TIMEOUT) -> int | None:
+        """SIGTERM the process group, wait ``timeout`` s, then SIGKILL. Returns the exit status."""
+        if self._proc is None:
+            return None
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        status = _terminate_group(self._proc, timeout)
+        self._release()
+        log.info("%s (pid %d) stopped with status %s", self.name, self._proc.pid, status)
+        return status
+
+    def _release(self) -> None:
+        """Forget the finalizer and close the log file once the process is gone."""
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def __enter__(self) -> LlamaServer:
+        return self.start() if not self.is_alive() else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "running" if self.is_alive() else "stopped"
+        where = f" {self.url}" if self._port is not None else ""
+        return f"<LlamaServer {self.name} {state}{where}>"
+
+    # ------------------------------------------------------------------ readings
+    def log_tail(self, n: int = 40) -> str:
+        """The last ``n`` lines of the server log."""
+        return "" if self._log_path is None else read_log_tail(self._log_path, n)
+
+    def processes(self) -> list[psutil.Process]:
+        """The server process and all its descendants (empty once it has exited)."""
+        if not self.is_alive():
+            return []
+        try:
+            root = psutil.Process(self.pid)
+            return [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def usage(self) -> ProcessUsage:
+        """Resident memory and CPU seconds of the process tree, now."""
+        rss = 0
+        user = system = 0.0
+        procs = self.processes()
+        for p in procs:
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                with p.oneshot():
+                    rss += p.memory_info().rss
+                    t = p.cpu_times()
+                    user += t.user
+                    system += t.system
+        return ProcessUsage(rss_bytes=rss, cpu_user_s=user, cpu_system_s=system, n_processes=len(procs))
+
+
+def _redact(cmd: list[str]) -> list[str]:
+    out = list(cmd)
+    for i, arg in enumerate(out[:-1]):
+        if arg == "--api-key":
+            out[i + 1] = "***"
+    return out

@@ -1,0 +1,40 @@
+"""The gate on the real binaries and the default model (smaller base and fewer tokens than `polykv gate`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from polykv_py.gate import GateConfig, main, run_gate
+
+pytestmark = pytest.mark.integration
+
+
+def test_gate_passes(patched_server_bin: Path, upstream_server_bin: Path, model_path: Path, tmp_path: Path) -> None:
+    cfg = GateConfig(model=model_path, patched_bin=patched_server_bin, upstream_bin=upstream_server_bin,
+                     n_predict=8, base_tokens=400, n_sharers=3, ctx=4096, log_dir=tmp_path, fresh_info=False)
+    report = run_gate(cfg)
+    summaries = {name: (c["ok"], c["summary"]) for name, c in report["checks"].items()}
+    assert report["ok"], json.dumps(summaries, indent=2)
+    share = report["checks"]["share_hit"]
+    # trap 1: P comes from the tokenized full prompts, not from the base tokenized alone
+    assert all(p < share["info"]["base_tokens_alone"] for p in share["info"]["shared_prefix_p"])
+    assert all(c["shared_prefix"]["status"] == "hit" for c in share["cases"])
+    assert all(c["shared_prefix"]["status"] == "not_resident" for c in report["checks"]["fallback_miss"]["cases"])
+
+
+def test_share_check_on_reference_server_fails_clearly(
+    upstream_server_bin: Path, model_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "report.json"
+    argv = ["--checks", "share_hit", "--share-server", "upstream", "--upstream-bin", str(upstream_server_bin),
+            "--model", str(model_path), "--base-tokens", "200", "--sharers", "1", "--n-predict", "4",
+            "--ctx", "2048", "--skip-fresh-info", "--log-dir", str(tmp_path), "--report", str(out)]
+    assert main(argv) == 1
+    report = json.loads(out.read_text())
+    check = report["checks"]["share_hit"]
+    assert not report["ok"] and not check["ok"]
+    assert "no shared_prefix field" in check["summary"]
+    assert "FAIL  share_hit" in capsys.readouterr().out

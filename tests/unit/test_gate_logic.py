@@ -1,0 +1,98 @@
+"""Gate comparison and verdict logic, without a server."""
+
+from __future__ import annotations
+
+from polykv_py.gate import (
+    SHARE_FIELDS,
+    VOLATILE_FIELDS,
+    Sharer,
+    _sharer_verdict,
+    build_base,
+    compare,
+    default_output_cases,
+    first_difference,
+    first_token_logprob_diff,
+    strip_fields,
+)
+
+
+def answer(content: str, **extra: object) -> dict[str, object]:
+    return {"content": content, "id_slot": 1, "timings": {"cache_n": 3, "prompt_n": 5, "prompt_ms": 1.5,
+                                                          "predicted_ms": 9.0}, "created": 1, **extra}
+
+
+def test_volatile_fields_are_removed_and_nothing_else() -> None:
+    a, b = answer("x"), answer("x", created=2)
+    b["timings"]["prompt_ms"] = 99.0  # type: ignore[index]
+    assert compare(a, b, VOLATILE_FIELDS, VOLATILE_FIELDS) == (True, "")
+    c = answer("x")
+    c["timings"]["cache_n"] = 4  # type: ignore[index]
+    ok, diff = compare(a, c, VOLATILE_FIELDS, VOLATILE_FIELDS)
+    assert not ok and diff == "$.timings.cache_n: 3 != 4"
+
+
+def test_extra_field_or_order_is_a_difference() -> None:
+    ok, diff = compare(answer("x", shared_prefix={"status": "hit"}), answer("x"), VOLATILE_FIELDS, VOLATILE_FIELDS)
+    assert not ok and "shared_prefix" in diff
+    ok, _ = compare(answer("x", shared_prefix={"status": "hit"}), answer("x"), VOLATILE_FIELDS + SHARE_FIELDS,
+                    VOLATILE_FIELDS)
+    assert ok
+    assert "order differs" in first_difference({"a": 1, "b": 2}, {"b": 2, "a": 1})
+
+
+def test_stream_chunks_are_stripped_one_by_one() -> None:
+    chunks = [{"id": "a", "choices": []}, {"id": "b", "created": 5, "choices": [1]}]
+    assert strip_fields(chunks, VOLATILE_FIELDS) == [{"choices": []}, {"choices": [1]}]
+    assert chunks[0]["id"] == "a"  # the input is not modified
+
+
+def test_first_token_logprob_diff() -> None:
+    def probs(*pairs: tuple[int, float]) -> dict[str, object]:
+        return {"completion_probabilities": [{"top_logprobs": [{"id": i, "logprob": lp} for i, lp in pairs]}]}
+
+    assert first_token_logprob_diff(probs((1, -0.5), (2, -1.0)), probs((2, -1.25), (3, -2.0))) == 0.25
+    assert first_token_logprob_diff({}, probs((1, 0.0))) is None
+
+
+def test_build_base_ends_with_blank_line_and_reaches_size() -> None:
+    def fake_tokenize(text: str) -> list[int]:
+        return [0] * (len(text) // 4)
+
+    base = build_base(fake_tokenize, 500)
+    assert base.endswith("\n\n") and len(fake_tokenize(base)) >= 500
+    assert base == build_base(fake_tokenize, 500)  # deterministic
+
+
+def sharer(p: int = 100, n_prompt: int = 120) -> Sharer:
+    return Sharer(1, 1, "prompt", p, n_prompt, {})
+
+
+def test_verdict_hit() -> None:
+    hit = {"shared_prefix": {"pool_slot": 0, "requested": 100, "shared": 100, "status": "hit"},
+           "timings": {"prompt_n": 20}}
+    assert _sharer_verdict(hit, sharer(), "hit")[0]
+    hit["timings"] = {"prompt_n": 120}
+    ok, why, _ = _sharer_verdict(hit, sharer(), "hit")
+    assert not ok and "expected n_prompt - P = 20" in why
+    full = {"shared_prefix": {"requested": 120, "shared": 120, "status": "hit"}, "timings": {"prompt_n": 1}}
+    assert _sharer_verdict(full, sharer(120, 120), "hit")[0]  # at-least-one-token rule
+
+
+def test_verdict_missing_field_and_miss() -> None:
+    ok, why, _ = _sharer_verdict({"timings": {"prompt_n": 120}}, sharer(), "hit")
+    assert not ok and "no shared_prefix field" in why
+    miss = {"shared_prefix": {"requested": 100, "shared": 0, "status": "not_resident"}, "timings": {"prompt_n": 120}}
+    assert _sharer_verdict(miss, sharer(), "not_resident")[0]
+    ok, why, _ = _sharer_verdict(miss, sharer(), "hit")
+    assert not ok and "not_resident" in why
+
+
+def test_default_output_cases_cover_the_matrix() -> None:
+    cases = default_output_cases(8, 3)
+    names = {c.name for c in cases}
+    for kind in ("completion", "chat"):
+        for sampling in ("greedy", "seeded"):
+            for mode in ("plain", "stream"):
+                assert f"{kind}/{sampling}/{mode}" in names
+    assert sum(1 for c in cases if c.group) >= 3
+    assert not any("shared_pool_slot" in c.body for c in cases)

@@ -1,0 +1,77 @@
+"""LlamaServer process handling with stand-in scripts (no llama-server build needed)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from polykv_py.errors import ServerError
+from polykv_py.server import LlamaServer, free_port, read_log_tail
+
+
+@pytest.fixture()
+def fake_model(tmp_path: Path) -> Path:
+    path = tmp_path / "fake.gguf"
+    path.write_bytes(b"GGUF" + b"\0" * 16)
+    return path
+
+
+def script(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "fake-server"
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return path
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_exit_during_start_reports_status_and_log(tmp_path: Path, fake_model: Path) -> None:
+    exe = script(tmp_path, 'echo "args: $*"\necho "error: something is wrong" >&2\nexit 3\n')
+    srv = LlamaServer(exe, fake_model, ["--flag", "x"], threads=2, log_dir=tmp_path)
+    with pytest.raises(ServerError) as info:
+        srv.start(timeout=30)
+    assert info.value.exit_status == 3
+    assert "something is wrong" in info.value.log_tail and "server log tail" in str(info.value)
+    assert "--host 127.0.0.1" in info.value.log_tail and "-t 2" in info.value.log_tail
+    assert info.value.log_tail.rstrip().endswith("something is wrong")
+    assert not srv.is_alive() and srv.returncode == 3
+
+
+def test_timeout_kills_the_whole_process_group(tmp_path: Path, fake_model: Path) -> None:
+    exe = script(tmp_path, "sleep 600 &\necho child $!\nexec sleep 600\n")
+    srv = LlamaServer(exe, fake_model, log_dir=tmp_path)
+    with pytest.raises(ServerError, match="not ready after"):
+        srv.start(timeout=1.0)
+    child = int(srv.log_path.read_text().split("child ")[1].split()[0])
+    deadline = time.monotonic() + 5
+    while not (gone(srv.pid) and gone(child)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gone(srv.pid) and gone(child)
+
+
+def test_missing_executable(tmp_path: Path, fake_model: Path) -> None:
+    with pytest.raises(ServerError, match="cannot execute"):
+        LlamaServer(tmp_path / "nope", fake_model, log_dir=tmp_path).start()
+
+
+def test_unstarted_server_has_no_port(fake_model: Path, tmp_path: Path) -> None:
+    srv = LlamaServer(tmp_path / "nope", fake_model)
+    assert not srv.is_alive() and srv.stop() is None and srv.log_tail() == ""
+    with pytest.raises(ServerError, match="not been started"):
+        _ = srv.url
+
+
+def test_read_log_tail_and_free_port(tmp_path: Path) -> None:
+    log = tmp_path / "x.log"
+    log.write_text("".join(f"line {i}\n" for i in range(100)))
+    assert read_log_tail(log, 3) == "line 97\nline 98\nline 99"
+    assert read_log_tail(tmp_path / "missing.log") == ""
+    assert 0 < free_port() < 65536

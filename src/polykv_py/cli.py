@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
                        add_help=False)
     p.add_argument("gate_args", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_gate)
+
+    from .cli_fanout import register as register_fanout
+
+    register_fanout(sub)  # `polykv run` (the main job) and `polykv bench`
     return parser
 
 

@@ -1,0 +1,534 @@
+"""The fan-out benchmark behind ``polykv bench`` and ``bench/bench_fanout.py``.
+
+For every N (agents) and P (base context tokens) it runs the same fan-out (S-token
+suffixes, G generated tokens, greedy, ``ignore_eos``) on each system, each on a fresh
+server with the same flags (``-kvu -np N+1 -c C``, debug KV logging for the cell count):
+
+- ``reference``: the pristine llama-server, same flags as the patched one
+  (``--no-clear-idle --cache-ram 0``), no priming, plain requests (a slot still reuses
+  its own cached prompt);
+- ``reference_best``: the pristine server with its built-in reuse switched on
+  (host prompt cache ``--cache-ram``, idle-slot caching, slot prompt similarity) and
+  the base sent once before the agents, so they can reuse it;
+- ``patched``: the patched server, pool slot primed, agents share the prefix;
+- ``engine``: the in-process engine (:mod:`polykv_py.engine`), in a child process.
+
+Round 2 asks the same N agents again on the same server/engine. A capacity probe
+finds the largest N that runs at ``-c 16384``, P = 4096 without eviction or error.
+Writes ``fanout.json``, ``fanout.md`` and (with matplotlib) ``fanout.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from statistics import mean, median
+from typing import Any, Self
+
+from .client import AsyncClient
+from .errors import PolykvError
+from .fanout import Agent, BaseContext, FanoutResult, SharedContext
+from .kvcells import KV_DEBUG_ARGS, KV_DEBUG_ENV, KV_METHOD, KVCellsLog
+from .server import LlamaServer
+
+log = logging.getLogger(__name__)
+
+SYSTEMS = ("reference", "reference_best", "patched", "engine")
+SERVER_FLAGS: dict[str, list[str]] = {
+    # the patched server's flags (--no-cache-idle-slots == --no-clear-idle; no host prompt cache)
+    "reference": ["--no-cache-idle-slots", "--cache-ram", "0"],
+    "reference_best": ["--cache-ram", "8192", "--cache-idle-slots", "--slot-prompt-similarity", "0.1"],
+    "patched": ["--no-clear-idle", "--cache-ram", "0"],
+}
+KIND = {"reference": "upstream", "reference_best": "upstream", "patched": "patched"}
+EXAMPLE_DOC = Path(__file__).resolve().parents[2] / "examples" / "design-doc.md"
+FILLER = (
+    "Agents review the design of a telemetry pipeline: gateways, a replicated log, a live view and a history "
+    "store, with the failure modes, the costs and the rollout plan each of them brings along. "
+)
+
+
+@dataclass
+class BenchConfig:
+    ns: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
+    ps: list[int] = field(default_factory=lambda: [512, 2048, 4096])
+    suffix: int = 64
+    gen: int = 32
+    systems: list[str] = field(default_factory=lambda: list(SYSTEMS))
+    rounds: int = 2
+    threads: int = 2
+    capacity: bool = True
+    capacity_ctx: int = 16384
+    capacity_p: int = 4096
+    capacity_max: int = 128
+    capacity_timeout: float = 900.0
+    capacity_n: dict[str, list[int]] = field(default_factory=dict)  # explicit N to try per system
+    cell_timeout: float = 3600.0
+    out_dir: Path = Path("bench/results")
+    model: str | None = None
+    quick: bool = False
+
+
+# --------------------------------------------------------------------------- inputs
+def base_text(target_tokens: int, tokenize: Any, detokenize: Any) -> str:
+    """A text of about ``target_tokens`` tokens: the example document, repeated and cut."""
+    doc = EXAMPLE_DOC.read_text(encoding="utf-8") if EXAMPLE_DOC.is_file() else FILLER * 40
+    text = doc
+    while len(tokenize(text)) < target_tokens + 8:
+        text += "\n\n" + doc
+    return detokenize(tokenize(text)[:target_tokens])
+
+
+def suffix_text(i: int, target_tokens: int, tokenize: Any, detokenize: Any) -> str:
+    """Agent ``i``'s distinct suffix of about ``target_tokens`` tokens."""
+    head = f"\n\nReviewer {i + 1}, question {i * 7 + 3}: "
+    text = head + FILLER * 4
+    return detokenize(tokenize(text)[:target_tokens])
+
+
+def ctx_for(n: int, p: int, s: int, g: int) -> int:
+    """KV cells for N agents and the base, each with its own copy (what the reference needs)."""
+    cells = (n + 1) * (p + s + g + 16)
+    return -(-cells // 256) * 256
+
+
+# --------------------------------------------------------------------------- helpers
+class PeakRSS:
+    """Samples a server's resident memory in a thread; ``peak`` in bytes."""
+
+    def __init__(self, server: LlamaServer, every: float = 0.25) -> None:
+        self.server, self.every, self.peak = server, every, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.peak = max(self.peak, self.server.usage().rss_bytes)
+            except Exception as exc:  # noqa: BLE001 - a sampler must not kill the bench
+                log.debug("RSS sample failed: %s", exc)
+            self._stop.wait(self.every)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def round_summary(res: FanoutResult, kv_peak: int | None, rss: int | None, metrics_delta: dict[str, float]) -> dict:
+    """The numbers of one round."""
+    from_start = [a.started_s + a.ttft_s for a in res.agents if a.ttft_s is not None]
+    errors = [a.error for a in res.agents if a.error]
+    return {
+        "wall_s": round(res.wall_s, 3),
+        "prime_s": round(sum(p.wall_s for p in res.primes), 3),
+        "ttft_mean_s": round(mean(from_start), 3) if from_start else None,
+        "ttft_p50_s": round(median(from_start), 3) if from_start else None,
+        "ttft_max_s": round(max(from_start), 3) if from_start else None,
+        "ttft_from": "fan-out start (priming included)",
+        "prompt_tokens_processed": res.tokens_processed,
+        "prompt_tokens_metrics": int(metrics_delta.get("llamacpp:prompt_tokens_total", -1)),
+        "prefix_tokens": res.prefix_tokens,
+        "pool_tokens": res.pool_tokens,
+        "mean_prompt_tokens": round(mean(a.n_prompt for a in res.agents), 1),
+        "generated": sum(a.n_generated for a in res.agents),
+        "kv_cells_peak": kv_peak,
+        "rss_peak_mib": round(rss / 2**20, 1) if rss else None,
+        "statuses": res.statuses,
+        "errors": errors[:3],
+        "n_errors": len(errors),
+    }
+
+
+def _metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before.get(k, 0.0) for k in after if "total" in k}
+
+
+# --------------------------------------------------------------------------- server cells
+def start_server(system: str, n_slots: int, ctx: int, cfg: BenchConfig, extra: Sequence[str] = ()) -> LlamaServer:
+    import tempfile
+
+    args = ["-kvu", "-np", str(n_slots), "-c", str(ctx), "--slots", *KV_DEBUG_ARGS,
+            "--slot-save-path", tempfile.mkdtemp(prefix="polykv-bench-slots-"), *SERVER_FLAGS[system], *extra]
+    server = LlamaServer(kind=KIND[system], model=cfg.model, args=args, threads=cfg.threads,  # type: ignore[arg-type]
+                         env=dict(KV_DEBUG_ENV), name=f"bench-{system}")
+    return server.start()
+
+
+def make_inputs(server: LlamaServer, p: int, n: int, s: int) -> tuple[str, list[str]]:
+    c = server.client
+    tok = c.tokenize
+    detok = c.detokenize
+    return base_text(p, tok, detok), [suffix_text(i, s, tok, detok) for i in range(n)]
+
+
+async def _fanout_round(
+    ctx: SharedContext, agents: list[Agent], kv: KVCellsLog, server: LlamaServer, prime: bool
+) -> dict:
+    before = await ctx.client.metrics()
+    kv.mark()
+    with PeakRSS(server) as rss:
+        res = await ctx.run(agents, prime=prime)
+    await asyncio.sleep(0.3)
+    reading = kv.read()
+    after = await ctx.client.metrics()
+    out = round_summary(res, reading.peak, rss.peak, _metrics_delta(before, after))
+    out["kv_evictions"] = reading.evictions
+    return out
+
+
+def run_server_cell(system: str, n: int, p: int, cfg: BenchConfig) -> dict:
+    """Both rounds of one (system, N, P) on a fresh server."""
+    ctx_cells = ctx_for(n, p, cfg.suffix, cfg.gen)
+    server = start_server(system, n + 1, ctx_cells, cfg)
+    try:
+        base, suffixes = make_inputs(server, p, n, cfg.suffix)
+        params = {"n_predict": cfg.gen, "ignore_eos": True, "temperature": 0.0}
+        agents = [Agent(sfx, name=f"a{i}", mode="completion", params=params) for i, sfx in enumerate(suffixes)]
+        share = system == "patched"
+
+        async def go() -> list[dict]:
+            async with AsyncClient(server.url, server=server, timeout=cfg.cell_timeout) as client:
+                sc = SharedContext(client, BaseContext.from_text(base), share=share, concurrency=n)
+                kv = KVCellsLog(server.log_path)
+                rounds = []
+                for r in range(cfg.rounds):
+                    prime = (r == 0) and system in ("patched", "reference_best")
+                    rounds.append(await _fanout_round(sc, agents, kv, server, prime))
+                return rounds
+
+        rounds = asyncio.run(asyncio.wait_for(go(), cfg.cell_timeout))
+        return {"system": system, "n": n, "p": p, "ctx": ctx_cells, "server_args": server.args, "rounds": rounds,
+                "_inputs": (base, suffixes)}
+    finally:
+        server.stop()
+
+
+# --------------------------------------------------------------------------- engine cells
+def run_engine_cell(n: int, p: int, cfg: BenchConfig, base: str, suffixes: list[str]) -> dict:
+    """Both rounds in the in-process engine, in a child process (its RSS is the engine's)."""
+    job = {"n": n, "p": p, "suffix": cfg.suffix, "gen": cfg.gen, "rounds": cfg.rounds, "threads": cfg.threads,
+           "model": cfg.model, "base": base, "suffixes": suffixes}
+    proc = subprocess.run([sys.executable, "-m", "polykv_py.benchmark", "--engine-cell", "-"], input=json.dumps(job),
+                          capture_output=True, text=True, timeout=cfg.cell_timeout, check=False)
+    if proc.returncode != 0:
+        raise PolykvError(f"engine cell failed (exit {proc.returncode}): {proc.stderr.strip()[-800:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _engine_child(job: dict) -> dict:
+    import resource
+
+    from .engine import GenerationParams, SharedPrefixEngine
+    from .llama import Model
+
+    n, gen = job["n"], job["gen"]
+    with Model(job["model"]) as model:
+        t_load = time.perf_counter()
+        vocab = model.vocab
+        p_tok = len(vocab.tokenize(job["base"]))
+        s_tok = max(len(vocab.tokenize(job["base"] + s)) for s in job["suffixes"]) - p_tok
+        params = SharedPrefixEngine.context_params(n, p_tok, s_tok + 2, gen)
+        params = dataclasses.replace(params, n_threads=job["threads"], n_threads_batch=job["threads"])
+        gp = GenerationParams(max_tokens=gen, ignore_eos=True)
+        rounds = []
+        with SharedPrefixEngine(model, params) as eng:
+            for _ in range(job["rounds"]):
+                res = eng.run(job["base"], job["suffixes"], gp, share=True, measure_kv=True)
+                ft = [a.timings.first_token_s for a in res.agents]
+                prompt = (0 if res.prefix_reused else len(res.prefix_tokens)) + sum(len(a.suffix_tokens)
+                                                                                    for a in res.agents)
+                rounds.append({
+                    "wall_s": round(res.timings["wall_s"], 3),
+                    "prime_s": round(res.timings["prefix_s"], 3),
+                    "ttft_mean_s": round(mean(ft), 3),
+                    "ttft_p50_s": round(median(ft), 3),
+                    "ttft_max_s": round(max(ft), 3),
+                    "ttft_from": "run start (prefix decode included)",
+                    "prompt_tokens_processed": prompt,
+                    "prompt_tokens_metrics": res.tokens_processed,
+                    "prefix_tokens": len(res.prefix_tokens),
+                    "pool_tokens": len(res.prefix_tokens),
+                    "mean_prompt_tokens": round(mean(len(a.prompt_tokens) for a in res.agents), 1),
+                    "generated": sum(len(a.tokens) for a in res.agents),
+                    "kv_cells_peak": max((res.kv_cells or {}).values(), default=None),
+                    "rss_peak_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                    "statuses": {f"{res.mode}{' (prefix reused)' if res.prefix_reused else ''}": n},
+                    "errors": [],
+                    "n_errors": 0,
+                    "kv_evictions": 0,
+                })
+        log.debug("engine cell done in %.1fs", time.perf_counter() - t_load)
+    return {"system": "engine", "n": n, "p": job["p"], "ctx": params.n_ctx, "server_args": [], "rounds": rounds}
+
+
+# --------------------------------------------------------------------------- capacity
+def capacity_probe(system: str, cfg: BenchConfig, deadline: float) -> dict:
+    """Largest N that runs concurrently at ``-c capacity_ctx`` with P = ``capacity_p``.
+
+    One server with a slot per agent (plus one); each step empties the agent slots, runs
+    N agents at once and checks: no error, every agent generated G tokens, no eviction
+    or full-KV line in the log, and (patched) every share a hit.
+    """
+    c_cells, p = cfg.capacity_ctx, cfg.capacity_p
+    share = system == "patched"
+    per_agent = p + cfg.suffix + cfg.gen
+    predicted = (c_cells - p) // (cfg.suffix + cfg.gen) if share else c_cells // per_agent
+    predicted = max(1, min(predicted, cfg.capacity_max))
+    candidates = list(cfg.capacity_n.get(system) or ([predicted, predicted + 1] if predicted < cfg.capacity_max
+                                                     else [predicted]))
+    slots = max(candidates) + 1
+    steps: list[dict] = []
+    out: dict[str, Any] = {"system": system, "ctx": c_cells, "p": p, "slots": slots, "predicted": predicted,
+                           "candidates": candidates, "steps": steps}
+    server = start_server(system, slots, c_cells, cfg)
+    try:
+        base, suffixes = make_inputs(server, p, max(candidates), cfg.suffix)
+        params = {"n_predict": cfg.gen, "ignore_eos": True, "temperature": 0.0}
+        agents = [Agent(sfx, name=f"a{i}", mode="completion", params=params) for i, sfx in enumerate(suffixes)]
+
+        async def go() -> None:
+            async with AsyncClient(server.url, server=server, timeout=cfg.capacity_timeout + 60) as client:
+                sc = SharedContext(client, BaseContext.from_text(base), share=share)
+                kv = KVCellsLog(server.log_path)
+                if share:
+                    await sc.prime()
+                for n in candidates:
+                    if time.monotonic() > deadline:
+                        steps.append({"n": n, "fits": None, "note": "not run: time budget spent"})
+                        continue
+                    for slot in range(slots):
+                        if not (share and slot == sc.pool_slot):
+                            await client.post_json(f"/slots/{slot}?action=erase", {})
+                    kv.mark()
+                    sc.concurrency = n
+                    t0 = time.perf_counter()
+                    try:
+                        res = await asyncio.wait_for(sc.run(agents[:n], prime=False), max(1.0, deadline - time.monotonic()))
+                    except TimeoutError:
+                        steps.append({"n": n, "fits": None, "note": "timed out (time budget)"})
+                        return
+                    await asyncio.sleep(0.3)
+                    reading = kv.read()
+                    bad = [a for a in res.agents if a.error or a.n_generated < cfg.gen
+                           or (share and a.status != "hit")]
+                    fits = not bad and reading.evictions == 0 and reading.peak <= c_cells
+                    steps.append({"n": n, "fits": fits, "wall_s": round(time.perf_counter() - t0, 2),
+                                  "kv_cells_peak": reading.peak, "kv_evictions": reading.evictions,
+                                  "statuses": res.statuses, "n_bad": len(bad),
+                                  "errors": [a.error for a in bad if a.error][:2]})
+
+        asyncio.run(go())
+    except PolykvError as exc:
+        out["error"] = str(exc)
+    finally:
+        server.stop()
+    fitting = [s["n"] for s in steps if s.get("fits")]
+    failing = [s["n"] for s in steps if s.get("fits") is False]
+    out["largest_fitting"] = max(fitting) if fitting else None
+    out["smallest_failing"] = min(failing) if failing else None
+    return out
+
+
+# --------------------------------------------------------------------------- driver
+def machine_info(cfg: BenchConfig) -> dict:
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import psutil
+
+    return {
+        "cpu": cpu or platform.processor(),
+        "logical_cpus": os.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "load_avg_start": [round(x, 2) for x in os.getloadavg()],
+        "threads_per_server": cfg.threads,
+    }
+
+
+class Bench:
+    """Runs the grid, keeps the results and writes them after every cell."""
+
+    def __init__(self, cfg: BenchConfig) -> None:
+        self.cfg = cfg
+        self.cells: list[dict] = []
+        self.capacity: list[dict] = []
+        self.notes: list[str] = []
+        self.doc: dict[str, Any] = {}
+        self.t0 = time.perf_counter()
+
+    def say(self, msg: str) -> None:
+        sys.stderr.write(f"[{time.perf_counter() - self.t0:8.1f}s] {msg}\n")
+        sys.stderr.flush()
+
+    def run(self) -> dict:
+        cfg = self.cfg
+        from .models import resolve_model
+        from .native import server_binary
+
+        model = resolve_model(cfg.model)
+        self.doc = {
+            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()},
+            "machine": machine_info(cfg),
+            "model": str(model),
+            "binaries": {k: str(server_binary(k)) for k in ("patched", "upstream")},  # type: ignore[arg-type]
+            "kv_cells_method": KV_METHOD,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
+        grid = [(n, p, s) for p in cfg.ps for n in cfg.ns for s in cfg.systems]
+        engine_inputs: dict[tuple[int, int], tuple[str, list[str]]] = {}
+        engine_ok = "engine" in cfg.systems
+        for k, (n, p, system) in enumerate(grid, 1):
+            label = f"[{k}/{len(grid)}] {system} N={n} P={p}"
+            if system == "engine":
+                if not engine_ok:
+                    continue
+                if (n, p) not in engine_inputs:
+                    self.say(f"{label}: skipped (no server cell produced its inputs)")
+                    continue
+                self.say(f"{label} ...")
+                try:
+                    cell = run_engine_cell(n, p, cfg, *engine_inputs[(n, p)])
+                except (PolykvError, subprocess.TimeoutExpired, ValueError) as exc:
+                    engine_ok = False
+                    note = f"engine skipped from N={n} P={p} on: {str(exc)[:300]}"
+                    self.notes.append(note)
+                    self.say(note)
+                    continue
+            else:
+                self.say(f"{label} ...")
+                try:
+                    cell = run_server_cell(system, n, p, cfg)
+                except (PolykvError, TimeoutError) as exc:
+                    cell = {"system": system, "n": n, "p": p, "error": str(exc)[:800], "rounds": []}
+                inputs = cell.pop("_inputs", None)
+                if inputs is not None:
+                    engine_inputs.setdefault((n, p), inputs)
+            self.cells.append(cell)
+            rounds = cell.get("rounds") or []
+            if rounds:
+                r1 = rounds[0]
+                r2 = f", round 2 {rounds[1]['wall_s']:.1f}s" if len(rounds) > 1 else ""
+                self.say(f"{label}: {r1['wall_s']:.1f}s, {r1['prompt_tokens_processed']} prompt tokens, "
+                         f"KV peak {r1['kv_cells_peak']}{r2}")
+            else:
+                self.say(f"{label}: error {cell.get('error', '')[:200]}")
+            self.write()
+        if cfg.capacity:
+            for system in [s for s in ("patched", "reference") if s in cfg.systems]:
+                self.say(f"capacity probe {system}: -c {cfg.capacity_ctx}, P={cfg.capacity_p} ...")
+                res = capacity_probe(system, cfg, time.monotonic() + cfg.capacity_timeout)
+                self.capacity.append(res)
+                self.say(f"capacity {system}: largest fitting N = {res.get('largest_fitting')}, "
+                         f"smallest failing = {res.get('smallest_failing')} (predicted {res.get('predicted')})")
+                self.write()
+        self.doc["machine"]["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
+        self.doc["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        self.write(final=True)
+        return self.doc
+
+    def write(self, final: bool = False) -> None:
+        from . import bench_report
+
+        out = self.cfg.out_dir
+        out.mkdir(parents=True, exist_ok=True)
+        self.doc.update({"cells": self.cells, "capacity": self.capacity, "notes": self.notes})
+        (out / "fanout.json").write_text(json.dumps(self.doc, indent=2))
+        (out / "fanout.md").write_text(bench_report.markdown(self.doc))
+        if final:
+            png = bench_report.plot(self.doc, out / "fanout.png")
+            if png is None:
+                self.notes.append("no PNG: matplotlib is not installed (pip install 'polykv[bench]')")
+                (out / "fanout.md").write_text(bench_report.markdown(self.doc))
+                (out / "fanout.json").write_text(json.dumps(self.doc, indent=2))
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The benchmark's options (shared by ``polykv bench`` and ``bench/bench_fanout.py``)."""
+    ap.add_argument("--quick", action="store_true", help="N in {1,2,4,8}, P=2048, short capacity probe")
+    ap.add_argument("--n", type=int, nargs="+", help="agent counts (default 1 2 4 8 16)")
+    ap.add_argument("--p", type=int, nargs="+", help="base context tokens (default 512 2048 4096)")
+    ap.add_argument("--suffix", type=int, default=64, help="suffix tokens per agent (default 64)")
+    ap.add_argument("--gen", type=int, default=32, help="generated tokens per agent (default 32)")
+    ap.add_argument("--systems", nargs="+", choices=SYSTEMS, help="systems to run (default all)")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds per cell (default 2)")
+    ap.add_argument("--threads", type=int, default=2, help="CPU threads per server/engine (default 2)")
+    ap.add_argument("--no-capacity", action="store_true", help="skip the capacity probe")
+    ap.add_argument("--capacity-timeout", type=float, help="seconds per system for the capacity probe")
+    ap.add_argument("--capacity-max", type=int, default=128, help="largest N the capacity probe tries (default 128)")
+    ap.add_argument("--model", "-m", help="GGUF path (default: the default model)")
+    ap.add_argument("--out", default="bench/results", help="output folder (default bench/results)")
+    ap.add_argument("--engine-cell", help=argparse.SUPPRESS)
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    cfg = BenchConfig(suffix=args.suffix, gen=args.gen, rounds=args.rounds, threads=args.threads,
+                      capacity=not args.no_capacity, capacity_max=args.capacity_max, out_dir=Path(args.out),
+                      model=args.model, quick=args.quick)
+    if args.quick:
+        cfg.ns, cfg.ps, cfg.capacity_timeout = [8, 4, 2, 1], [2048], 420.0  # the target cell (N=8) first
+        cfg.capacity_n = {"patched": [100], "reference": [3, 4]}
+    cfg.ns = args.n or cfg.ns
+    cfg.ps = args.p or cfg.ps
+    cfg.systems = args.systems or cfg.systems
+    if args.capacity_timeout:
+        cfg.capacity_timeout = args.capacity_timeout
+    return cfg
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run the benchmark (or, internally, one engine cell) for parsed arguments."""
+    if args.engine_cell:
+        job = json.loads(sys.stdin.read() if args.engine_cell == "-" else args.engine_cell)
+        print(json.dumps(_engine_child(job)))
+        return 0
+    cfg = config_from_args(args)
+    bench = Bench(cfg)
+    bench.run()
+    bench.say(f"wrote {cfg.out_dir}/fanout.json, fanout.md"
+              + (", fanout.png" if (cfg.out_dir / "fanout.png").exists() else ""))
+    return 0
+
+
+def parse_args(argv: Sequence[str] | None) -> BenchConfig | None:
+    """The configuration for command-line arguments (None for an internal engine cell)."""
+    ap = argparse.ArgumentParser(prog="polykv bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(ap)
+    args = ap.parse_args(argv)
+    return None if args.engine_cell else config_from_args(args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    ap = argparse.ArgumentParser(prog="polykv bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(ap)
+    return run_from_args(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,646 @@
+"""N agents over one shared base context on a patched llama-server.
+
+A :class:`SharedContext` primes a pool slot with the templated base context, then
+fans agent requests out concurrently.  Every agent request carries
+``shared_pool_slot`` and ``shared_prefix_n_tokens`` = P, where P is the common
+prefix of the *tokenized* pool prompt and the *tokenized* agent prompt (never
+``len(tokenize(base))``: a token at the seam may tokenize differently, see
+``docs/fanout.md``).  The server verifies those tokens and reports what it did in
+``shared_prefix.status``.  A report that the pool is gone (``not_resident``,
+``mismatch``) re-primes the pool for the agents that follow; the agent that saw it
+still has a correct answer (the server recomputed its prefix).
+
+Typical use::
+
+    base = BaseContext.chat(system="You review designs.", document=text)
+    async with SharedContext.connect("http://127.0.0.1:8080", base) as ctx:
+        result = await ctx.run([Agent("List the risks."), Agent("Summarize.")])
+
+or synchronously: ``run_fanout(base, agents, server=url_or_LlamaServer)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Self
+
+from .client import AsyncClient, aggregate_completion, aggregate_oai, common_prefix_len
+from .errors import PolykvError
+
+log = logging.getLogger(__name__)
+
+Mode = Literal["completion", "chat"]
+Json = dict[str, Any]
+
+#: Share statuses after which the agent's prefix KV was not recomputed.
+REUSED_STATUSES = frozenset({"hit", "copied", "own_cache", "self"})
+#: Share statuses that mean the pool no longer holds the base: re-prime.
+REPRIME_STATUSES = frozenset({"not_resident", "mismatch"})
+#: Status recorded for an agent that was sent without sharing fields.
+NOT_SHARED = "not_shared"
+#: Status recorded for an agent whose request failed.
+ERROR = "error"
+
+
+class FanoutError(PolykvError):
+    """A fan-out could not be set up (bad base context or agent, unusable server answer)."""
+
+
+# --------------------------------------------------------------------------- inputs
+@dataclass(frozen=True)
+class BaseContext:
+    """The shared part of every agent's prompt: plain text, or chat messages.
+
+    Completion agents see ``text + instructions``; chat agents see ``messages`` plus a
+    user message with their instructions.
+    """
+
+    text: str | None = None
+    messages: tuple[Mapping[str, Any], ...] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.text is None) == (self.messages is None):
+            raise FanoutError("a base context is either text or chat messages, not both or neither")
+        if self.text is not None and not self.text:
+            raise FanoutError("the base context text is empty")
+        if self.messages is not None and not self.messages:
+            raise FanoutError("the base context has no messages")
+
+    @classmethod
+    def from_text(cls, text: str) -> BaseContext:
+        """A plain-text base (completion agents append their instructions to it)."""
+        return cls(text=text)
+
+    @classmethod
+    def chat(cls, *, system: str | None = None, document: str | None = None) -> BaseContext:
+        """A chat base: one system message holding the system prompt and the shared document."""
+        parts = [p for p in (system, document) if p]
+        if not parts:
+            raise FanoutError("a chat base needs a system prompt or a document")
+        return cls(messages=({"role": "system", "content": "\n\n".join(parts)},))
+
+    @classmethod
+    def from_messages(cls, messages: Sequence[Mapping[str, Any]]) -> BaseContext:
+        """A chat base from explicit messages."""
+        return cls(messages=tuple(dict(m) for m in messages))
+
+    @property
+    def is_chat(self) -> bool:
+        return self.messages is not None
+
+
+@dataclass(frozen=True)
+class Agent:
+    """One agent: its own instructions, mode and request parameters.
+
+    ``params`` go into the request body as they are (sampling: ``temperature``,
+    ``seed``, ``top_p`` ...; length: ``n_predict`` for completion, ``max_tokens`` for
+    chat). ``mode=None`` follows the base: chat for a chat base, completion for text.
+    """
+
+    instructions: str
+    name: str = ""
+    mode: Mode | None = None
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+    def resolved_mode(self, base: BaseContext) -> Mode:
+        mode = self.mode or ("chat" if base.is_chat else "completion")
+        if mode not in ("completion", "chat"):
+            raise FanoutError(f"agent mode must be 'completion' or 'chat', not {mode!r}")
+        return mode
+
+    def messages(self, base: BaseContext) -> list[Json]:
+        """The chat messages of this agent."""
+        if base.messages is not None:
+            head = [dict(m) for m in base.messages]
+        else:
+            head = [{"role": "system", "content": base.text}]
+        return [*head, {"role": "user", "content": self.instructions}]
+
+    def prompt(self, base: BaseContext) -> str:
+        """The completion prompt of this agent (the base text followed by the instructions)."""
+        if base.text is None:
+            raise FanoutError("a completion agent needs a text base (use chat mode over chat messages)")
+        return base.text + self.instructions
+
+
+# --------------------------------------------------------------------------- results
+@dataclass
+class PrimeResult:
+    """One priming of the pool slot."""
+
+    generation: int
+    n_tokens: int
+    processed: int  # prompt tokens the server actually computed for it
+    wall_s: float
+    reason: str
+
+
+@dataclass
+class AgentResult:
+    """One agent's answer and what it cost."""
+
+    index: int
+    name: str
+    mode: Mode
+    text: str
+    status: str  # the server's shared_prefix.status, or "not_shared"
+    requested: int  # P sent
+    shared: int  # tokens whose KV came from the pool (server's count)
+    n_prompt: int  # tokens of the full prompt
+    processed: int  # prompt tokens computed for this agent (timings.prompt_n)
+    cached: int  # prompt tokens taken from a cache or the pool (timings.cache_n)
+    n_generated: int
+    ttft_s: float | None  # request sent -> first generated text
+    latency_s: float  # request sent -> answer complete
+    started_s: float  # since the fan-out began
+    finished_s: float
+    finish_reason: str | None
+    id_slot: int | None
+    timings: Json = field(default_factory=dict)
+    shared_prefix: Json | None = None
+    error: str | None = None  # set (with status "error") when the request failed
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def prefix_reused(self) -> bool:
+        """True when the agent's prefix KV was not recomputed (pool hit or own cache)."""
+        return self.status in REUSED_STATUSES
+
+
+@dataclass
+class FanoutResult:
+    """Everything a fan-out did."""
+
+    agents: list[AgentResult]
+    primes: list[PrimeResult]
+    pool_slot: int | None
+    pool_tokens: int  # tokens of the templated base held by the pool
+    wall_s: float  # priming (if any) + all agents
+    shared: bool
+    kv_cells_peak: int | None = None
+    kv_cells_method: str | None = None
+
+    @property
+    def statuses(self) -> dict[str, int]:
+        return dict(Counter(a.status for a in self.agents))
+
+    @property
+    def prefix_tokens(self) -> int:
+        """The largest P any agent was given (0 without sharing)."""
+        return max((a.requested for a in self.agents), default=0)
+
+    @property
+    def tokens_processed(self) -> int:
+        """Prompt tokens the server computed: priming plus every agent."""
+        return sum(p.processed for p in self.primes) + sum(a.processed for a in self.agents)
+
+    @property
+    def tokens_without_sharing(self) -> int:
+        """Prompt tokens a server without any reuse would compute: every agent's whole prompt."""
+        return sum(a.n_prompt for a in self.agents)
+
+    @property
+    def kv_cells_without_sharing(self) -> int:
+        """KV cells needed to keep all agents resident without sharing (their prompts and answers)."""
+        return sum(a.n_prompt + a.n_generated for a in self.agents)
+
+    @property
+    def kv_cells_with_sharing(self) -> int:
+        """The same with the prefix held once: the pool plus every agent's cells beyond its P (a model)."""
+        own = sum(a.n_prompt - a.requested + a.n_generated for a in self.agents)
+        return (self.pool_tokens if self.shared else 0) + own
+
+    def to_json(self) -> Json:
+        """A JSON-ready dict (agents, primes and the summary numbers)."""
+        return {
+            "shared": self.shared,
+            "pool_slot": self.pool_slot,
+            "pool_tokens": self.pool_tokens,
+            "prefix_tokens": self.prefix_tokens,
+            "wall_s": round(self.wall_s, 3),
+            "tokens_processed": self.tokens_processed,
+            "tokens_without_sharing": self.tokens_without_sharing,
+            "kv_cells_peak": self.kv_cells_peak,
+            "kv_cells_method": self.kv_cells_method,
+            "kv_cells_with_sharing_model": self.kv_cells_with_sharing,
+            "kv_cells_without_sharing_model": self.kv_cells_without_sharing,
+            "statuses": self.statuses,
+            "primes": [dataclasses.asdict(p) for p in self.primes],
+            "agents": [dataclasses.asdict(a) for a in self.agents],
+        }
+
+
+ProgressCallback = Callable[[str, Any], None]
+
+
+# --------------------------------------------------------------------------- logic
+def shared_prefix_len(pool_tokens: Sequence[int], prompt_tokens: Sequence[int]) -> int:
+    """P for one agent: the verified common prefix of the tokenized prompts.
+
+    At most ``len(prompt_tokens) - 1``: the server must compute at least one token.
+    """
+    return max(0, min(common_prefix_len(list(pool_tokens), list(prompt_tokens)), len(prompt_tokens) - 1))
+
+
+def parse_stream(chunks: Sequence[Json], mode: Mode) -> Json:
+    """The final answer of a streamed request, aggregated from its chunks."""
+    if mode == "chat":
+        return aggregate_oai([dict(c) for c in chunks], chat=True)
+    return aggregate_completion([dict(c) for c in chunks])
+
+
+def chunk_has_text(chunk: Json, mode: Mode) -> bool:
+    """True for a stream chunk that carries generated text (for time-to-first-token)."""
+    if mode == "completion":
+        return bool(chunk.get("content")) or bool(chunk.get("tokens"))
+    for choice in chunk.get("choices") or []:
+        delta = choice.get("delta") or {}
+        if delta.get("content") or delta.get("reasoning_content") or choice.get("text"):
+            return True
+    return False
+
+
+def answer_text(final: Json, mode: Mode) -> tuple[str, str | None]:
+    """(text, finish reason) of a final answer."""
+    if mode == "completion":
+        return str(final.get("content", "")), final.get("stop_type")
+    choices = final.get("choices") or [{}]
+    msg = choices[0].get("message") or {}
+    return str(msg.get("content") or choices[0].get("text") or ""), choices[0].get("finish_reason")
+
+
+def first_line(exc: BaseException) -> str:
+    """An error's message without the server log tail that ServerError appends."""
+    return str(exc).split("\n--- server log tail ---", 1)[0]
+
+
+def needs_reprime(status: str) -> bool:
+    return status in REPRIME_STATUSES
+
+
+# --------------------------------------------------------------------------- the object
+class SharedContext:
+    """A base context held once in a pool slot, and the agents fanned out over it.
+
+    ``client`` is an :class:`~polykv_py.client.AsyncClient` (the caller keeps
+    ownership unless it came from :meth:`connect`). ``share=False`` sends the same
+    requests without the sharing fields (a baseline; ``prime`` then only warms the
+    server's ordinary caches).  ``concurrency`` bounds the requests in flight
+    (default: the server's slots minus the pool slot). With ``keep_going`` a failed
+    agent request becomes a result with status ``"error"`` instead of failing the run.
+    """
+
+    def __init__(
+        self,
+        client: AsyncClient,
+        base: BaseContext,
+        *,
+        pool_slot: int = 0,
+        concurrency: int | None = None,
+        share: bool = True,
+        reprime: bool = True,
+        pin_prime: bool = True,
+        keep_going: bool = True,
+    ) -> None:
+        self.client = client
+        self.base = base
+        self.pool_slot = pool_slot
+        self.share = share
+        self.reprime = reprime
+        self.pin_prime = pin_prime
+        self.keep_going = keep_going
+        self.concurrency = concurrency
+        self._owns_client = False
+        self._pool_prompt: str | None = None
+        self._pool_tokens: list[int] | None = None
+        self._generation = 0
+        self._primed_generation = -1
+        self._ready = asyncio.Event()
+        self._prime_lock = asyncio.Lock()
+        self._tokens_cache: dict[str, list[int]] = {}
+        self.primes: list[PrimeResult] = []
+        self._progress: ProgressCallback | None = None
+
+    # -- construction -------------------------------------------------------------
+    @classmethod
+    def connect(
+        cls, url: str, base: BaseContext, *, api_key: str | None = None, timeout: float | None = None, **kwargs: Any
+    ) -> SharedContext:
+        """A shared context on the server at ``url`` (owns its client: use ``async with``).
+
+        ``timeout``: seconds a request may wait for the next bytes (default: the client's).
+        """
+        client = AsyncClient(url, api_key=api_key) if timeout is None else AsyncClient(url, api_key=api_key,
+                                                                                        timeout=timeout)
+        ctx = cls(client, base, **kwargs)
+        ctx._owns_client = True
+        return ctx
+
+    async def aclose(self) -> None:
+        if self._owns_client:
+            await self.client.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- tokens -------------------------------------------------------------------
+    async def _tokens(self, text: str) -> list[int]:
+        toks = self._tokens_cache.get(text)
+        if toks is None:
+            toks = await self.client.prompt_tokens(text)
+            self._tokens_cache[text] = toks
+        return toks
+
+    async def pool_prompt(self) -> str:
+        """The text the pool slot holds: the base, templated when it is chat."""
+        if self._pool_prompt is None:
+            if self.base.messages is not None:
+                msgs = [dict(m) for m in self.base.messages]
+                self._pool_prompt = await self.client.apply_template(msgs, add_generation_prompt=False)
+            else:
+                assert self.base.text is not None
+                self._pool_prompt = self.base.text
+        return self._pool_prompt
+
+    async def pool_tokens(self) -> list[int]:
+        """Tokens of :meth:`pool_prompt`, exactly as the server evaluates them."""
+        if self._pool_tokens is None:
+            self._pool_tokens = await self._tokens(await self.pool_prompt())
+            if not self._pool_tokens:
+                raise FanoutError("the base context has no tokens")
+        return self._pool_tokens
+
+    async def agent_prompt(self, agent: Agent) -> str:
+        """The full text the server evaluates for ``agent`` (templated for chat)."""
+        if agent.resolved_mode(self.base) == "chat":
+            return await self.client.apply_template(agent.messages(self.base))
+        return agent.prompt(self.base)
+
+    async def agent_tokens(self, agent: Agent) -> list[int]:
+        return await self._tokens(await self.agent_prompt(agent))
+
+    async def prefix_len(self, agent: Agent) -> int:
+        """P for ``agent`` (see :func:`shared_prefix_len`)."""
+        return shared_prefix_len(await self.pool_tokens(), await self.agent_tokens(agent))
+
+    async def extra_body(self, agent: Agent) -> Json:
+        """The sharing fields for ``agent``, e.g. for the OpenAI client's ``extra_body``."""
+        return {"shared_pool_slot": self.pool_slot, "shared_prefix_n_tokens": await self.prefix_len(agent)}
+
+    # -- pool ---------------------------------------------------------------------
+    async def prime(self, reason: str = "initial") -> PrimeResult:
+        """Compute the base into the pool slot (pinned with ``id_slot``) and wait for it."""
+        async with self._prime_lock:
+            return await self._prime_locked(reason)
+
+    async def _prime_locked(self, reason: str) -> PrimeResult:
+        self._ready.clear()
+        try:
+            tokens = await self.pool_tokens()
+            body: Json = {"prompt": tokens, "n_predict": 0, "cache_prompt": True, "temperature": 0.0}
+            if self.pin_prime:
+                body["id_slot"] = self.pool_slot
+            t0 = time.perf_counter()
+            answer = await self.client.post_json("/completion", body)
+            wall = time.perf_counter() - t0
+            timings = answer.get("timings") or {}
+            self._generation += 1
+            res = PrimeResult(self._generation, len(tokens), int(timings.get("prompt_n", len(tokens))), wall, reason)
+            self.primes.append(res)
+            self._primed_generation = self._generation
+            log.info("primed pool slot %d with %d tokens (%d computed) in %.2fs (%s)",
+                     self.pool_slot, res.n_tokens, res.processed, wall, reason)
+            if self._progress:
+                self._progress("prime", res)
+            return res
+        finally:
+            self._ready.set()
+
+    async def ensure_primed(self) -> None:
+        """Prime the pool unless it has been primed already."""
+        if self._primed_generation < 0:
+            async with self._prime_lock:
+                if self._primed_generation < 0:
+                    await self._prime_locked("initial")
+
+    async def _reprime_after(self, generation: int, status: str) -> None:
+        async with self._prime_lock:
+            if self._primed_generation != generation:
+                return  # someone re-primed already
+            log.warning("pool slot %d reported %s: re-priming", self.pool_slot, status)
+            await self._prime_locked(f"re-prime after {status}")
+
+    async def slot_count(self) -> int:
+        props = await self.client.props()
+        return int(props.get("total_slots") or 1)
+
+    # -- agents -------------------------------------------------------------------
+    def _failed(self, agent: Agent, index: int, t_origin: float, n_prompt: int, exc: Exception) -> AgentResult:
+        now = time.perf_counter() - t_origin
+        return AgentResult(
+            index=index, name=agent.name or f"agent-{index + 1}", mode=agent.resolved_mode(self.base), text="",
+            status=ERROR, requested=0, shared=0, n_prompt=n_prompt, processed=0, cached=0, n_generated=0,
+            ttft_s=None, latency_s=0.0, started_s=now, finished_s=now, finish_reason=None, id_slot=None,
+            error=first_line(exc),
+        )
+
+    def _body(self, agent: Agent, mode: Mode, P: int | None) -> Json:
+        body: Json = {"messages": agent.messages(self.base)} if mode == "chat" else {"prompt": agent.prompt(self.base)}
+        body.update(agent.params)
+        if P is not None:
+            body["shared_pool_slot"] = self.pool_slot
+            body["shared_prefix_n_tokens"] = P
+        return body
+
+    async def ask(self, agent: Agent, *, index: int = 0, t_origin: float | None = None) -> AgentResult:
+        """Send one agent (streamed, to time its first token) and return its result."""
+        mode = agent.resolved_mode(self.base)
+        n_prompt_tokens = await self.agent_tokens(agent)
+        P = shared_prefix_len(await self.pool_tokens(), n_prompt_tokens) if self.share else None
+        if self.share:
+            await self.ensure_primed()
+            await self._ready.wait()
+        generation = self._primed_generation
+        path = "/v1/chat/completions" if mode == "chat" else "/completion"
+        origin = t_origin if t_origin is not None else time.perf_counter()
+        t0 = time.perf_counter()
+        ttft: float | None = None
+        chunks: list[Json] = []
+        async for chunk in self.client.stream_events(path, self._body(agent, mode, P)):
+            if ttft is None and chunk_has_text(chunk, mode):
+                ttft = time.perf_counter() - t0
+            chunks.append(chunk)
+        t1 = time.perf_counter()
+        final = parse_stream(chunks, mode)
+        text, finish = answer_text(final, mode)
+        timings = final.get("timings") or {}
+        sp = final.get("shared_prefix")
+        status = str(sp.get("status")) if isinstance(sp, dict) else NOT_SHARED
+        if self.share and not isinstance(sp, dict):
+            raise FanoutError("the server ignored shared_pool_slot: is it the patched llama-server?")
+        res = AgentResult(
+            index=index,
+            name=agent.name or f"agent-{index + 1}",
+            mode=mode,
+            text=text,
+            status=status,
+            requested=P or 0,
+            shared=int(sp.get("shared", 0)) if isinstance(sp, dict) else 0,
+            n_prompt=len(n_prompt_tokens),
+            processed=int(timings.get("prompt_n", 0)),
+            cached=int(timings.get("cache_n", 0)),
+            n_generated=int(timings.get("predicted_n", 0)),
+            ttft_s=ttft,
+            latency_s=t1 - t0,
+            started_s=t0 - origin,
+            finished_s=t1 - origin,
+            finish_reason=finish,
+            id_slot=final.get("id_slot") if isinstance(final.get("id_slot"), int) else None,
+            timings=dict(timings),
+            shared_prefix=dict(sp) if isinstance(sp, dict) else None,
+        )
+        if self.share and self.reprime and needs_reprime(status):
+            await self._reprime_after(generation, status)
+        return res
+
+    async def run(
+        self,
+        agents: Sequence[Agent],
+        *,
+        prime: bool | None = None,
+        progress: ProgressCallback | None = None,
+    ) -> FanoutResult:
+        """Prime the pool (when sharing and not primed yet, or ``prime=True``) and run every agent.
+
+        Results come back in the order of ``agents``. ``progress(event, payload)`` is
+        called with ``("prime", PrimeResult)``, ``("start", index)`` and ``("done", AgentResult)``.
+        """
+        if not agents:
+            raise FanoutError("no agents to run")
+        modes = {a.resolved_mode(self.base) for a in agents}
+        if "completion" in modes and self.base.text is None:
+            raise FanoutError("completion agents need a text base")
+        t0 = time.perf_counter()
+        n_primes = len(self.primes)
+        self._progress = progress
+        try:
+            return await self._run(agents, t0, n_primes, prime, progress)
+        finally:
+            self._progress = None
+
+    async def _run(
+        self, agents: Sequence[Agent], t0: float, n_primes: int, prime: bool | None, progress: ProgressCallback | None
+    ) -> FanoutResult:
+        do_prime = prime if prime is not None else (self.share and self._primed_generation < 0)
+        if do_prime:
+            await self.prime("initial" if self._primed_generation < 0 else "requested")
+        limit = self.concurrency or max(1, (await self.slot_count()) - (1 if self.share else 0))
+        sem = asyncio.Semaphore(limit)
+        await asyncio.gather(*(self.agent_tokens(a) for a in agents))  # tokenize up front, concurrently
+
+        async def one(i: int, agent: Agent) -> AgentResult:
+            async with sem:
+                if progress:
+                    progress("start", i)
+                try:
+                    res = await self.ask(agent, index=i, t_origin=t0)
+                except FanoutError:
+                    raise
+                except PolykvError as exc:
+                    if not self.keep_going:
+                        raise
+                    log.error("agent %d (%s) failed: %s", i + 1, agent.name or "-", first_line(exc))
+                    res = self._failed(agent, i, t0, len(await self.agent_tokens(agent)), exc)
+            if progress:
+                progress("done", res)
+            return res
+
+        results = await asyncio.gather(*(one(i, a) for i, a in enumerate(agents)))
+        return FanoutResult(
+            agents=list(results),
+            primes=list(self.primes[n_primes:]),
+            pool_slot=self.pool_slot if self.share else None,
+            pool_tokens=len(await self.pool_tokens()),
+            wall_s=time.perf_counter() - t0,
+            shared=self.share,
+        )
+
+
+# --------------------------------------------------------------------------- sync helper
+def run_fanout(
+    base: BaseContext,
+    agents: Sequence[Agent],
+    *,
+    server: Any,
+    api_key: str | None = None,
+    **kwargs: Any,
+) -> FanoutResult:
+    """Run a fan-out synchronously. ``server`` is a URL or a running :class:`~polykv_py.server.LlamaServer`.
+
+    ``kwargs`` go to :class:`SharedContext` (``pool_slot``, ``concurrency``, ``share`` ...).
+    """
+    url = server if isinstance(server, str) else server.url
+    key = api_key if api_key is not None or isinstance(server, str) else getattr(server, "api_key", None)
+
+    async def main() -> FanoutResult:
+        async with SharedContext.connect(url, base, api_key=key, **kwargs) as ctx:
+            return await ctx.run(agents)
+
+    return asyncio.run(main())
+
+
+
+# --------------------------------------------------------------------------- managed server
+#: Flags a pool server needs: unified KV (sharing without copies), idle slots kept resident, /slots, and
+#: no host prompt cache: with it, a slot restores an agent's old prompt from RAM as a private copy of the
+#: prefix (status own_cache, P more cells) instead of sharing the pool's cells.
+POOL_SERVER_ARGS = ("-kvu", "--no-clear-idle", "--cache-ram", "0", "--slots")
+
+
+def pool_server(
+    *,
+    model: str | None = None,
+    n_agents_parallel: int = 8,
+    ctx: int = 16384,
+    threads: int | None = None,
+    kind: Literal["patched", "upstream"] = "patched",
+    extra_args: Sequence[str] = (),
+    track_kv: bool = True,
+    name: str = "polykv-pool",
+) -> Any:
+    """A (not yet started) :class:`~polykv_py.server.LlamaServer` set up for a fan-out.
+
+    ``n_agents_parallel`` agent slots plus the pool slot, ``ctx`` KV cells in all
+    (unified), and with ``track_kv`` the debug logging :mod:`polykv_py.kvcells` reads.
+    """
+    import tempfile
+
+    from .kvcells import KV_DEBUG_ARGS, KV_DEBUG_ENV
+    from .server import DEFAULT_THREADS, LlamaServer
+
+    # --slot-save-path only enables the /slots actions (erase is used to empty slots between runs)
+    slot_dir = tempfile.mkdtemp(prefix="polykv-slots-")
+    args: list[str] = [*POOL_SERVER_ARGS, "-np", str(n_agents_parallel + 1), "-c", str(ctx), "--slot-save-path", slot_dir]
+    if track_kv:
+        args += KV_DEBUG_ARGS
+    return LlamaServer(
+        model=model,
+        kind=kind,
+        args=[*args, *extra_args],
+        threads=threads or DEFAULT_THREADS,
+        env=dict(KV_DEBUG_ENV) if track_kv else None,
+        name=name,
+    )

@@ -1,0 +1,147 @@
+"""The fan-out API on the real patched llama-server and the default model (kept cheap: 2 threads,
+a ~400-token base, 3 agents, at most 12 generated tokens)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from polykv_py.client import AsyncClient, common_prefix_len
+from polykv_py.fanout import Agent, BaseContext, FanoutResult, SharedContext, pool_server
+from polykv_py.kvcells import KVCellsLog
+from polykv_py.server import LlamaServer
+
+pytestmark = pytest.mark.integration
+
+DOC = Path(__file__).resolve().parents[2] / "examples" / "design-doc.md"
+N_PREDICT = 12
+QUESTIONS = ["What does Lanternfish replace?", "How many bikes does the fleet have?", "Name one goal."]
+
+
+def base_text() -> str:
+    # ends with a blank line: alone, "\n\n" is one token; followed by an agent's text it is two
+    text = "\n".join(DOC.read_text(encoding="utf-8").splitlines()[:24])
+    return text.rstrip("\n") + "\n\n"
+
+
+@pytest.fixture(scope="module")
+def server(patched_server_bin: Path, model_path: Path) -> Iterator[LlamaServer]:
+    srv = pool_server(n_agents_parallel=3, ctx=4096, threads=2, name="fanout-test")
+    with srv:
+        yield srv
+
+
+def fanout(server: LlamaServer, base: BaseContext, agents: list[Agent], **kw: Any) -> tuple[FanoutResult, dict]:
+    async def main() -> tuple[FanoutResult, dict]:
+        async with AsyncClient(server.url, server=server) as client:
+            ctx = SharedContext(client, base, **kw)
+            res = await ctx.run(agents)
+            pool = await ctx.pool_tokens()
+            prompts = [await ctx.agent_tokens(a) for a in agents]
+            return res, {"pool": pool, "prompts": prompts}
+
+    return asyncio.run(main())
+
+
+def completion_agents() -> list[Agent]:
+    params = {"n_predict": N_PREDICT, "temperature": 0.0}
+    return [Agent(f"Question: {q}\nAnswer:", name=f"q{i}", params=params) for i, q in enumerate(QUESTIONS)]
+
+
+def test_completion_fanout_shares_the_verified_prefix(server: LlamaServer) -> None:
+    base = BaseContext.from_text(base_text())
+    kv = KVCellsLog(server.log_path)
+    kv.mark()
+    res, toks = fanout(server, base, completion_agents())
+    time.sleep(0.3)
+    peak = kv.read().peak
+    pool = toks["pool"]
+    for agent, prompt in zip(res.agents, toks["prompts"]):
+        p = common_prefix_len(pool, prompt)
+        assert p == len(pool) - 1, "the trailing blank line tokenizes differently inside the full prompt"
+        assert agent.requested == p
+        assert agent.status == "hit", agent.shared_prefix
+        assert agent.shared == p
+        assert agent.processed == agent.n_prompt - p
+        assert agent.n_generated == N_PREDICT
+    assert res.tokens_processed == len(pool) + sum(a.n_prompt - a.requested for a in res.agents)
+    own = sum(a.n_prompt - a.requested + a.n_generated for a in res.agents)
+    assert 0 < peak <= len(pool) + own + 8, (peak, len(pool), own)
+
+
+def test_chat_fanout_hits(server: LlamaServer) -> None:
+    base = BaseContext.chat(system="Answer briefly.", document=base_text())
+    agents = [Agent(q, params={"max_tokens": 8, "temperature": 0.0}) for q in QUESTIONS[:2]]
+    res, toks = fanout(server, base, agents)
+    for agent, prompt in zip(res.agents, toks["prompts"]):
+        assert agent.mode == "chat"
+        assert agent.status == "hit", agent.shared_prefix
+        assert agent.requested == common_prefix_len(toks["pool"], prompt)
+        assert agent.processed == agent.n_prompt - agent.requested
+        assert agent.text
+
+
+def test_reprime_when_the_pool_is_not_resident(server: LlamaServer) -> None:
+    base = BaseContext.from_text(base_text())
+    agents = completion_agents()
+
+    async def erase(client: AsyncClient, slots: range) -> None:
+        for slot in slots:
+            await client.post_json(f"/slots/{slot}?action=erase", {})
+
+    async def main() -> tuple[FanoutResult, FanoutResult]:
+        async with AsyncClient(server.url, server=server) as client:
+            ctx = SharedContext(client, base)
+            await ctx.prime()
+            await erase(client, range(4))  # evict everything, the pool included
+            missed = await ctx.run(agents)  # all at once, into empty slots
+            await erase(client, range(1, 4))  # empty the agents' own caches, keep the pool
+            again = await ctx.run(agents)
+            return missed, again
+
+    missed, again = asyncio.run(main())
+    # agents that started before the re-prime finished miss (or find the pool busy); later ones hit
+    assert {a.status for a in missed.agents} <= {"not_resident", "pool_busy", "hit"}, missed.statuses
+    assert "not_resident" in missed.statuses
+    assert [p.reason for p in missed.primes] == ["re-prime after not_resident"]
+    for a in missed.agents:  # a miss is computed in full and still answered
+        assert a.n_generated == N_PREDICT
+        assert a.processed == (a.n_prompt - a.requested if a.status == "hit" else a.n_prompt)
+    assert [a.status for a in again.agents] == ["hit"] * 3, again.statuses
+    assert again.primes == []
+
+
+def test_fanout_equals_serial_requests(server: LlamaServer) -> None:
+    """The concurrent fan-out answers what the same shared requests answer one at a time.
+
+    Like with like: every agent request starts from an empty slot of its own and takes its
+    prefix from the pool in both runs (a slot that still held the agent's previous prompt
+    would split the computation differently, which changes the numbers on this tree).
+    """
+    base = BaseContext.from_text(base_text())
+    agents = completion_agents()
+
+    async def erase(client: AsyncClient) -> None:
+        for slot in range(1, 4):
+            await client.post_json(f"/slots/{slot}?action=erase", {})
+
+    async def main() -> tuple[FanoutResult, list[Any]]:
+        async with AsyncClient(server.url, server=server) as client:
+            ctx = SharedContext(client, base)
+            await ctx.prime()
+            await erase(client)
+            concurrent = await ctx.run(agents)
+            serial = []
+            for i, agent in enumerate(agents):
+                await erase(client)
+                serial.append(await ctx.ask(agent, index=i))
+            return concurrent, serial
+
+    concurrent, serial = asyncio.run(main())
+    assert [a.status for a in concurrent.agents + serial] == ["hit"] * 6
+    assert [a.text for a in concurrent.agents] == [a.text for a in serial]

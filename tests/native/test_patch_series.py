@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -76,7 +77,8 @@ def test_patch_that_does_not_apply_names_the_patch(pristine_tree: Path, tmp_path
     monkeypatch.setattr(patchtool, "PATCH_DIR", pdir)
     with pytest.raises(patchtool.PatchToolError, match="0001-broken.patch does not apply"):
         patchtool.apply_series(tree)
-    assert not (tree / patchtool.APPLIED_RECORD).exists()
+    record = tree / patchtool.APPLIED_RECORD
+    assert not record.exists() or json.loads(record.read_text()) == {}, "a failed patch must not be recorded"
 
 
 def test_wrong_pin_hash_fails_with_message(tmp_path: Path) -> None:

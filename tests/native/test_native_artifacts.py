@@ -1,0 +1,68 @@
+"""The installed native build: extension stamps, build info, both servers, the tokenizer."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from polykv_py.native import build_info, server_binary
+from polykv_py.server import LlamaServer
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("patchtool_native", ROOT / "scripts" / "patchtool.py")
+assert _spec and _spec.loader
+patchtool = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(patchtool)
+PIN = patchtool.read_pin()
+
+
+def test_extension_reports_pinned_commit_and_series() -> None:
+    from polykv_py._ffi import ffi, lib
+
+    assert ffi.string(lib.polykv_upstream_commit()).decode() == PIN["upstream_commit"]
+    # the installed wheel was built from this checkout's patch series
+    assert ffi.string(lib.polykv_patch_series_sha256()).decode() == patchtool.series_hash()
+
+
+def test_build_info_record() -> None:
+    info = build_info()
+    assert info["upstream_commit"] == PIN["upstream_commit"]
+    assert info["patches"] == [p.name for p in patchtool.patch_files()]
+    assert "CPU" in info["backends"]
+    assert "NATIVE" not in info["cpu_flags"], "the default build must not use -march=native (SIGILL, design.md)"
+    assert not any(f.startswith("AMX") for f in info["cpu_flags"]) or "AMX" in info["cpu_flags_source"]
+
+
+@pytest.mark.parametrize("kind", ["patched", "upstream"])
+def test_server_version(kind: str) -> None:
+    out = subprocess.run([str(server_binary(kind)), "--version"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert f"commit {PIN['upstream_commit']}" in out.stdout + out.stderr
+
+
+def test_only_patched_server_has_pool_fields_in_help() -> None:
+    helps = {k: subprocess.run([str(server_binary(k)), "--help"], capture_output=True, text=True, timeout=60)
+             for k in ("patched", "upstream")}
+    assert "--no-clear-idle" in helps["patched"].stdout  # 0071 (libllama-common: in both servers)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("kind", ["patched", "upstream"])
+def test_server_answers_health_with_default_model(kind: str, model_path: Path, tmp_path: Path) -> None:
+    with LlamaServer(model=model_path, kind=kind, args=["-c", "1024"], log_dir=tmp_path) as srv:
+        assert srv.client.health().get("status") == "ok"
+        assert srv.client.tokenize("Hello world")
+
+
+@pytest.mark.integration
+def test_cffi_tokenizer_round_trip(model_path: Path) -> None:
+    from polykv_py.llama import Model
+
+    text = "Shared context, computed once: 2,048 tokens for N agents."
+    with Model(model_path) as model:
+        tokens = model.vocab.tokenize(text, add_special=False)
+        assert tokens and all(isinstance(t, int) for t in tokens)
+        assert model.vocab.detokenize(tokens) == text

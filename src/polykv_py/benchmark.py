@@ -75,6 +75,7 @@ class BenchConfig:
     capacity_max: int = 128
     capacity_timeout: float = 900.0
     capacity_n: dict[str, list[int]] = field(default_factory=dict)  # explicit N to try per system
+    capacity_only: bool = False
     cell_timeout: float = 3600.0
     out_dir: Path = Path("bench/results")
     model: str | None = None
@@ -397,6 +398,8 @@ class Bench:
             "kv_cells_method": KV_METHOD,
             "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         }
+        if cfg.capacity_only:
+            return self._capacity_only()
         grid = [(n, p, s) for p in cfg.ps for n in cfg.ns for s in cfg.systems]
         engine_inputs: dict[tuple[int, int], tuple[str, list[str]]] = {}
         engine_ok = "engine" in cfg.systems
@@ -437,13 +440,36 @@ class Bench:
                 self.say(f"{label}: error {cell.get('error', '')[:200]}")
             self.write()
         if cfg.capacity:
-            for system in [s for s in ("patched", "reference") if s in cfg.systems]:
-                self.say(f"capacity probe {system}: -c {cfg.capacity_ctx}, P={cfg.capacity_p} ...")
-                res = capacity_probe(system, cfg, time.monotonic() + cfg.capacity_timeout)
-                self.capacity.append(res)
-                self.say(f"capacity {system}: largest fitting N = {res.get('largest_fitting')}, "
-                         f"smallest failing = {res.get('smallest_failing')} (predicted {res.get('predicted')})")
-                self.write()
+            self._capacity()
+        self.doc["machine"]["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
+        self.doc["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        self.write(final=True)
+        return self.doc
+
+    def _capacity(self) -> None:
+        cfg = self.cfg
+        for system in [s for s in ("patched", "reference") if s in cfg.systems]:
+            self.say(f"capacity probe {system}: -c {cfg.capacity_ctx}, P={cfg.capacity_p} ...")
+            res = capacity_probe(system, cfg, time.monotonic() + cfg.capacity_timeout)
+            self.capacity.append(res)
+            self.say(f"capacity {system}: largest fitting N = {res.get('largest_fitting')}, "
+                     f"smallest failing = {res.get('smallest_failing')} (predicted {res.get('predicted')})")
+            self.write()
+
+    def _capacity_only(self) -> dict:
+        """Run only the capacity probe, keeping the grid cells of an earlier run in the same folder."""
+        old = self.cfg.out_dir / "fanout.json"
+        if old.is_file():
+            prev = json.loads(old.read_text())
+            self.cells, self.notes = prev.get("cells", []), prev.get("notes", [])
+            for key in ("config", "machine", "started"):
+                if key in prev:
+                    self.doc[key] = prev[key]
+            self.doc["config"]["capacity_timeout"] = self.cfg.capacity_timeout
+            self.doc["config"]["capacity_n"] = self.cfg.capacity_n
+            self.notes.append(f"capacity probe run separately ({time.strftime('%Y-%m-%d %H:%M:%S')}, "
+                              f"load average {[round(x, 2) for x in os.getloadavg()]})")
+        self._capacity()
         self.doc["machine"]["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
         self.doc["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
         self.write(final=True)
@@ -478,6 +504,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--no-capacity", action="store_true", help="skip the capacity probe")
     ap.add_argument("--capacity-timeout", type=float, help="seconds per system for the capacity probe")
     ap.add_argument("--capacity-max", type=int, default=128, help="largest N the capacity probe tries (default 128)")
+    ap.add_argument("--capacity-patched", type=int, nargs="+", help="N the capacity probe tries on the patched server")
+    ap.add_argument("--capacity-reference", type=int, nargs="+", help="N the capacity probe tries on the reference")
+    ap.add_argument("--capacity-only", action="store_true",
+                    help="run only the capacity probe (keeps the grid of fanout.json in --out)")
     ap.add_argument("--model", "-m", help="GGUF path (default: the default model)")
     ap.add_argument("--out", default="bench/results", help="output folder (default bench/results)")
     ap.add_argument("--engine-cell", help=argparse.SUPPRESS)
@@ -495,6 +525,13 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     cfg.systems = args.systems or cfg.systems
     if args.capacity_timeout:
         cfg.capacity_timeout = args.capacity_timeout
+    if args.capacity_patched:
+        cfg.capacity_n["patched"] = args.capacity_patched
+    if args.capacity_reference:
+        cfg.capacity_n["reference"] = args.capacity_reference
+    cfg.capacity_only = args.capacity_only
+    if cfg.capacity_only:
+        cfg.capacity = True
     return cfg
 
 

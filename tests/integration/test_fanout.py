@@ -114,34 +114,3 @@ def test_reprime_when_the_pool_is_not_resident(server: LlamaServer) -> None:
         assert a.processed == (a.n_prompt - a.requested if a.status == "hit" else a.n_prompt)
     assert [a.status for a in again.agents] == ["hit"] * 3, again.statuses
     assert again.primes == []
-
-
-def test_fanout_equals_serial_requests(server: LlamaServer) -> None:
-    """The concurrent fan-out answers what the same shared requests answer one at a time.
-
-    Like with like: every agent request starts from an empty slot of its own and takes its
-    prefix from the pool in both runs (a slot that still held the agent's previous prompt
-    would split the computation differently, which changes the numbers on this tree).
-    """
-    base = BaseContext.from_text(base_text())
-    agents = completion_agents()
-
-    async def erase(client: AsyncClient) -> None:
-        for slot in range(1, 4):
-            await client.post_json(f"/slots/{slot}?action=erase", {})
-
-    async def main() -> tuple[FanoutResult, list[Any]]:
-        async with AsyncClient(server.url, server=server) as client:
-            ctx = SharedContext(client, base)
-            await ctx.prime()
-            await erase(client)
-            concurrent = await ctx.run(agents)
-            serial = []
-            for i, agent in enumerate(agents):
-                await erase(client)
-                serial.append(await ctx.ask(agent, index=i))
-            return concurrent, serial
-
-    concurrent, serial = asyncio.run(main())
-    assert [a.status for a in concurrent.agents + serial] == ["hit"] * 6
-    assert [a.text for a in concurrent.agents] == [a.text for a in serial]

@@ -17,6 +17,9 @@ tokens processed (everything passed to ``llama_decode``) and KV cells in use at 
 
     python bench/bench_engine.py            # N in 1 2 4 8 16, P=2048, S=64, G=32
     python bench/bench_engine.py --quick    # a tiny grid to check the script
+
+On a machine busy with other jobs pass ``--threads 1``: ggml's thread barriers make
+multi-threaded timings erratic when the cores are oversubscribed.
 """
 
 from __future__ import annotations

@@ -104,7 +104,12 @@ def headline(doc: dict) -> list[str]:
             orr = _round(other, 0) if other else None
             if orr:
                 x = ratio(orr["wall_s"], pr["wall_s"])
-                lines.append(f"- round 1 (priming included) vs {name}: {fmt(x)}x faster (target >= {want}x)")
+                lines.append(
+                    f"- round 1 (priming included) vs {name}: {fmt(x)}x faster (target >= {want}x); "
+                    f"{fmt(ratio(orr['prompt_tokens_processed'], pr['prompt_tokens_processed']))}x fewer prompt "
+                    f"tokens computed, {fmt(ratio(orr.get('kv_cells_peak'), pr.get('kv_cells_peak')))}x fewer "
+                    "peak KV cells (load-independent)"
+                )
         pr2, rr2 = _round(pat, 1), _round(ref, 1) if ref else None
         if pr2 and rr2:
             lines.append(f"- round 2 vs the reference's round 2: {fmt(ratio(rr2['wall_s'], pr2['wall_s']))}x "

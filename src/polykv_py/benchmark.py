@@ -304,7 +304,8 @@ def capacity_probe(system: str, cfg: BenchConfig, deadline: float) -> dict:
         agents = [Agent(sfx, name=f"a{i}", mode="completion", params=params) for i, sfx in enumerate(suffixes)]
 
         async def go() -> None:
-            async with AsyncClient(server.url, server=server, timeout=cfg.capacity_timeout + 60) as client:
+            async with AsyncClient(server.url, server=server, timeout=cfg.capacity_timeout + 60,
+                                   max_connections=slots + 8) as client:  # every agent in flight at once
                 sc = SharedContext(client, BaseContext.from_text(base), share=share)
                 kv = KVCellsLog(server.log_path)
                 if share:
@@ -462,6 +463,8 @@ class Bench:
         if old.is_file():
             prev = json.loads(old.read_text())
             self.cells, self.notes = prev.get("cells", []), prev.get("notes", [])
+            rerun = {s for s in ("patched", "reference") if s in self.cfg.systems}
+            self.capacity = [c for c in prev.get("capacity", []) if c.get("system") not in rerun]
             for key in ("config", "machine", "started"):
                 if key in prev:
                     self.doc[key] = prev[key]

@@ -14,7 +14,7 @@ from .errors import PolykvError
 log = logging.getLogger("polykv")
 
 #: Flags `polykv serve` adds unless the user passes their own after `--`.
-SERVE_DEFAULTS = ["-kvu", "--no-clear-idle", "-np", "8", "-c", "32768", "-t", str(min(os.cpu_count() or 2, 8)),
+SERVE_DEFAULTS = ["-kvu", "--no-clear-idle", "--cache-ram", "0", "-np", "8", "-c", "32768", "-t", str(min(os.cpu_count() or 2, 8)),
                   "--metrics", "--slots"]
 
 

@@ -126,7 +126,9 @@ class Progress:
             self.running -= 1
             self.done += 1
             self.hits += payload.prefix_reused
-            if not self.tty:
+            if payload.error:
+                self._say(f"{payload.name} failed: {payload.error}", keep=True)
+            elif not self.tty:
                 self._say(f"{payload.name} done: {payload.status}, {payload.processed} prompt tokens computed, "
                           f"{payload.latency_s:.1f}s", keep=True)
         self._bar()
@@ -180,7 +182,8 @@ async def _fanout(
     url: str, base: BaseContext, agents: list[Agent], args: argparse.Namespace, progress: Progress, kv: Any
 ) -> tuple[FanoutResult, FanoutResult | None]:
     async with SharedContext.connect(url, base, api_key=args.api_key, pool_slot=args.pool_slot,
-                                     concurrency=args.concurrency, timeout=args.timeout) as ctx:
+                                     concurrency=args.concurrency, timeout=args.timeout,
+                                     max_connections=max(64, (args.concurrency or 0) + 8)) as ctx:
         if kv is not None:
             kv.mark()
         result = await ctx.run(agents, progress=progress)
@@ -189,7 +192,14 @@ async def _fanout(
             result.kv_cells_peak, result.kv_cells_method = kv.read().peak, _kv_method()
         baseline = None
         if args.compare:
-            ctx_plain = SharedContext(ctx.client, base, share=False, concurrency=args.concurrency)
+            concurrency = args.concurrency
+            if not args.url:  # without sharing every agent in flight holds its whole prompt: only so many fit
+                per_agent = max([len(await ctx.agent_tokens(a)) for a in agents]) + args.max_tokens
+                fit = max(1, (args.ctx - 64) // per_agent)
+                concurrency = min(concurrency or len(agents), fit)
+                progress._say(f"without sharing: {concurrency} agents at once fit in -c {args.ctx} "
+                              f"({per_agent} cells each)", keep=True)
+            ctx_plain = SharedContext(ctx.client, base, share=False, concurrency=concurrency)
             plain_agents = [Agent(a.instructions, a.name, a.mode, {**a.params, "cache_prompt": False}) for a in agents]
             if kv is not None:
                 await _erase_slots(ctx)

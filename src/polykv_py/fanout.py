@@ -30,8 +30,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Self
 
-from .client import AsyncClient, aggregate_completion, aggregate_oai, common_prefix_len
-from .errors import PolykvError
+from .client import DEFAULT_TIMEOUT, AsyncClient, aggregate_completion, aggregate_oai, common_prefix_len
+from .errors import PolykvError, ServerUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -284,6 +284,16 @@ def first_line(exc: BaseException) -> str:
     return str(exc).split("\n--- server log tail ---", 1)[0]
 
 
+def stale_connection(exc: BaseException) -> bool:
+    """True when a request failed because a kept-alive connection had been closed by the server
+    (nothing was received: safe to send again)."""
+    import httpx
+
+    return isinstance(exc, ServerUnavailableError) and isinstance(
+        exc.__cause__, (httpx.RemoteProtocolError, httpx.ConnectError)
+    )
+
+
 def needs_reprime(status: str) -> bool:
     return status in REPRIME_STATUSES
 
@@ -334,14 +344,21 @@ class SharedContext:
     # -- construction -------------------------------------------------------------
     @classmethod
     def connect(
-        cls, url: str, base: BaseContext, *, api_key: str | None = None, timeout: float | None = None, **kwargs: Any
+        cls,
+        url: str,
+        base: BaseContext,
+        *,
+        api_key: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        max_connections: int = 64,
+        **kwargs: Any,
     ) -> SharedContext:
         """A shared context on the server at ``url`` (owns its client: use ``async with``).
 
-        ``timeout``: seconds a request may wait for the next bytes (default: the client's).
+        ``timeout``: seconds a request may wait for the next bytes; ``max_connections``
+        bounds the requests in flight at the HTTP level (keep it >= ``concurrency``).
         """
-        client = AsyncClient(url, api_key=api_key) if timeout is None else AsyncClient(url, api_key=api_key,
-                                                                                        timeout=timeout)
+        client = AsyncClient(url, api_key=api_key, timeout=timeout, max_connections=max_connections)
         ctx = cls(client, base, **kwargs)
         ctx._owns_client = True
         return ctx
@@ -357,10 +374,20 @@ class SharedContext:
         await self.aclose()
 
     # -- tokens -------------------------------------------------------------------
+    async def _retry(self, call: Callable[[], Any]) -> Any:
+        """Run an idempotent request, once more if a stale kept-alive connection failed it."""
+        try:
+            return await call()
+        except ServerUnavailableError as exc:
+            if not stale_connection(exc):
+                raise
+            log.debug("retrying after a stale connection: %s", first_line(exc))
+            return await call()
+
     async def _tokens(self, text: str) -> list[int]:
         toks = self._tokens_cache.get(text)
         if toks is None:
-            toks = await self.client.prompt_tokens(text)
+            toks = await self._retry(lambda: self.client.prompt_tokens(text))
             self._tokens_cache[text] = toks
         return toks
 
@@ -369,7 +396,9 @@ class SharedContext:
         if self._pool_prompt is None:
             if self.base.messages is not None:
                 msgs = [dict(m) for m in self.base.messages]
-                self._pool_prompt = await self.client.apply_template(msgs, add_generation_prompt=False)
+                self._pool_prompt = await self._retry(
+                    lambda: self.client.apply_template(msgs, add_generation_prompt=False)
+                )
             else:
                 assert self.base.text is not None
                 self._pool_prompt = self.base.text
@@ -386,7 +415,8 @@ class SharedContext:
     async def agent_prompt(self, agent: Agent) -> str:
         """The full text the server evaluates for ``agent`` (templated for chat)."""
         if agent.resolved_mode(self.base) == "chat":
-            return await self.client.apply_template(agent.messages(self.base))
+            msgs = agent.messages(self.base)
+            return await self._retry(lambda: self.client.apply_template(msgs))
         return agent.prompt(self.base)
 
     async def agent_tokens(self, agent: Agent) -> list[int]:
@@ -444,7 +474,7 @@ class SharedContext:
             await self._prime_locked(f"re-prime after {status}")
 
     async def slot_count(self) -> int:
-        props = await self.client.props()
+        props = await self._retry(self.client.props)
         return int(props.get("total_slots") or 1)
 
     # -- agents -------------------------------------------------------------------
@@ -479,10 +509,18 @@ class SharedContext:
         t0 = time.perf_counter()
         ttft: float | None = None
         chunks: list[Json] = []
-        async for chunk in self.client.stream_events(path, self._body(agent, mode, P)):
-            if ttft is None and chunk_has_text(chunk, mode):
-                ttft = time.perf_counter() - t0
-            chunks.append(chunk)
+        body = self._body(agent, mode, P)
+        for attempt in (1, 2):
+            try:
+                async for chunk in self.client.stream_events(path, body):
+                    if ttft is None and chunk_has_text(chunk, mode):
+                        ttft = time.perf_counter() - t0
+                    chunks.append(chunk)
+                break
+            except ServerUnavailableError as exc:
+                if chunks or attempt == 2 or not stale_connection(exc):
+                    raise
+                log.debug("agent %s: resending after a stale connection", agent.name or index)
         t1 = time.perf_counter()
         final = parse_stream(chunks, mode)
         text, finish = answer_text(final, mode)
@@ -547,6 +585,7 @@ class SharedContext:
         do_prime = prime if prime is not None else (self.share and self._primed_generation < 0)
         if do_prime:
             await self.prime("initial" if self._primed_generation < 0 else "requested")
+        n_pool = len(await self.pool_tokens())
         limit = self.concurrency or max(1, (await self.slot_count()) - (1 if self.share else 0))
         sem = asyncio.Semaphore(limit)
         await asyncio.gather(*(self.agent_tokens(a) for a in agents))  # tokenize up front, concurrently
@@ -573,7 +612,7 @@ class SharedContext:
             agents=list(results),
             primes=list(self.primes[n_primes:]),
             pool_slot=self.pool_slot if self.share else None,
-            pool_tokens=len(await self.pool_tokens()),
+            pool_tokens=n_pool,
             wall_s=time.perf_counter() - t0,
             shared=self.share,
         )

@@ -37,6 +37,7 @@ class FakeServer:
     primes: list[dict] = field(default_factory=list)
     agent_bodies: list[dict] = field(default_factory=list)
     fail_prompt: str | None = None
+    stale: int = 0  # drop this many agent requests as a closed kept-alive connection would
 
     def handler(self, request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content) if request.content else {}
@@ -59,6 +60,9 @@ class FakeServer:
         return httpx.Response(404, json={"error": {"message": f"no {path}"}})
 
     def _agent(self, path: str, body: dict) -> httpx.Response:
+        if self.stale:
+            self.stale -= 1
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
         self.agent_bodies.append(body)
         chat = path != "/completion"
         if chat:
@@ -183,3 +187,12 @@ def test_extra_body_for_the_openai_client() -> None:
             return await ctx.extra_body(Agent("q"))
 
     assert asyncio.run(main()) == {"shared_pool_slot": 2, "shared_prefix_n_tokens": 3}
+
+
+def test_a_stale_connection_is_retried_once() -> None:
+    server = FakeServer(stale=1)
+    _ctx, res = run(server, BaseContext.from_text("doc "), [Agent("a")])
+    assert res.agents[0].status == "hit" and len(server.agent_bodies) == 1
+    server = FakeServer(stale=2)
+    _ctx, res = run(server, BaseContext.from_text("doc "), [Agent("a")])
+    assert res.agents[0].status == "error" and "disconnected" in (res.agents[0].error or "")

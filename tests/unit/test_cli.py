@@ -1,0 +1,26 @@
+"""The polykv command line: dispatch and argument handling (no server started)."""
+
+from __future__ import annotations
+
+import pytest
+
+from polykv_py import cli, gate
+
+
+def test_gate_options_reach_the_gate(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[list[str]] = []
+    monkeypatch.setattr(gate, "main", lambda argv: seen.append(list(argv)) or 7)
+    assert cli.main(["gate", "--report", "r.json", "--sharers", "2"]) == 7
+    assert seen == [["--report", "r.json", "--sharers", "2"]]
+
+
+def test_serve_defaults_keep_the_pool_resident() -> None:
+    for flag in ("-kvu", "--no-clear-idle"):
+        assert flag in cli.SERVE_DEFAULTS
+    assert cli.SERVE_DEFAULTS[cli.SERVE_DEFAULTS.index("--cache-ram") + 1] == "0"
+
+
+def test_unknown_command_is_a_usage_error() -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["no-such-command"])
+    assert exc.value.code == 2

@@ -36,6 +36,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from polykv_py.bench_report import cpu_model
 from polykv_py.engine import GenerationParams, RunResult, SharedPrefixEngine, context_params_for
 from polykv_py.llama import ContextParams, Model, system_info
 from polykv_py.native import build_info
@@ -149,16 +150,8 @@ def run_one(model: Model, n: int, pre: list[int], sufs: list[list[int]], g: int,
 
 
 def machine() -> dict[str, Any]:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     info = {
-        "cpu": cpu,
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "platform": platform.platform(),
         "python": platform.python_version(),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import platform
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,17 @@ LABELS = {
     "patched": "patched (pool sharing)",
     "engine": "in-process engine",
 }
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo, else what ``platform`` says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
 
 
 def _round(cell: dict, r: int) -> dict | None:

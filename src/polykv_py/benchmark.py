@@ -37,6 +37,7 @@ from pathlib import Path
 from statistics import mean, median
 from typing import Any, Self
 
+from .bench_report import cpu_model
 from .client import AsyncClient
 from .errors import PolykvError
 from .fanout import Agent, BaseContext, FanoutResult, SharedContext
@@ -349,18 +350,10 @@ def capacity_probe(system: str, cfg: BenchConfig, deadline: float) -> dict:
 
 # --------------------------------------------------------------------------- driver
 def machine_info(cfg: BenchConfig) -> dict:
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     import psutil
 
     return {
-        "cpu": cpu or platform.processor(),
+        "cpu": cpu_model(),
         "logical_cpus": os.cpu_count(),
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "platform": platform.platform(),

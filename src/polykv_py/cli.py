@@ -14,7 +14,8 @@ from .errors import PolykvError
 log = logging.getLogger("polykv")
 
 #: Flags `polykv serve` adds unless the user passes their own after `--`.
-SERVE_DEFAULTS = ["-kvu", "--no-clear-idle", "--cache-ram", "0", "-np", "8", "-c", "32768", "-t", str(min(os.cpu_count() or 2, 8)),
+SERVE_DEFAULTS = ["-kvu", "--no-clear-idle", "--cache-ram", "0", "-np", "8", "-c", "32768",
+                  "-t", str(min(os.cpu_count() or 2, 8)),
                   "--metrics", "--slots"]
 
 
@@ -59,7 +60,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_gate(args: argparse.Namespace) -> int:
     from . import gate
 
-    return gate.main(args.gate_args[1:] if args.gate_args[:1] == ["--"] else args.gate_args)
+    return gate.run_from_args(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,9 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("server_args", nargs=argparse.REMAINDER, help="more llama-server flags, after --")
     p.set_defaults(func=_cmd_serve)
 
+    from . import gate
+
     p = sub.add_parser("gate", help="prove the patched server safe: default output, share hit, fallback miss",
-                       add_help=False)
-    p.add_argument("gate_args", nargs=argparse.REMAINDER)
+                       description=gate.__doc__.split("\n\n")[0])
+    gate.add_arguments(p)
     p.set_defaults(func=_cmd_gate)
 
     from .cli_fanout import register as register_fanout
@@ -95,13 +98,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["gate"]:
-        # the gate has its own parser; argparse's REMAINDER would not pass leading --options through
-        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-        from . import gate
-
-        return gate.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,

@@ -12,10 +12,11 @@ server's log tail when the client belongs to a :class:`~polykv_py.server.LlamaSe
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -219,6 +220,14 @@ def _body(
     return body
 
 
+#: How each generation endpoint's stream chunks aggregate into one final response.
+_AGGREGATORS: dict[str, Callable[[list[Json]], Json]] = {
+    "/completion": aggregate_completion,
+    "/v1/completions": functools.partial(aggregate_oai, chat=False),
+    "/v1/chat/completions": functools.partial(aggregate_oai, chat=True),
+}
+
+
 def common_prefix_len(a: list[int], b: list[int]) -> int:
     """Length of the common prefix of two token lists."""
     n = 0
@@ -317,6 +326,10 @@ class Client(_Base):
         except httpx.TransportError as exc:
             raise self._unavailable(exc, url) from exc
 
+    def _stream_result(self, path: str, body: Json) -> StreamResult:
+        chunks = list(self.stream_events(path, body))
+        return StreamResult(chunks, _AGGREGATORS[path](copy.deepcopy(chunks)))
+
     # -- endpoints
     def health(self) -> Json:
         """``GET /health`` (raises HTTPError 503 while loading)."""
@@ -385,8 +398,7 @@ class Client(_Base):
         """``POST /completion`` streamed: the chunks and their aggregate."""
         body = _body({"prompt": prompt}, shared_pool_slot=shared_pool_slot,
                      shared_prefix_n_tokens=shared_prefix_n_tokens, extra=extra, params=params)
-        chunks = list(self.stream_events("/completion", body))
-        return StreamResult(chunks, aggregate_completion(copy.deepcopy(chunks)))
+        return self._stream_result("/completion", body)
 
     def oai_completion(
         self,
@@ -414,8 +426,7 @@ class Client(_Base):
         """``POST /v1/completions`` streamed."""
         body = _body({"prompt": prompt}, shared_pool_slot=shared_pool_slot,
                      shared_prefix_n_tokens=shared_prefix_n_tokens, extra=extra, params=params)
-        chunks = list(self.stream_events("/v1/completions", body))
-        return StreamResult(chunks, aggregate_oai(copy.deepcopy(chunks), chat=False))
+        return self._stream_result("/v1/completions", body)
 
     def chat(
         self,
@@ -443,8 +454,7 @@ class Client(_Base):
         """``POST /v1/chat/completions`` streamed."""
         body = _body({"messages": messages}, shared_pool_slot=shared_pool_slot,
                      shared_prefix_n_tokens=shared_prefix_n_tokens, extra=extra, params=params)
-        chunks = list(self.stream_events("/v1/chat/completions", body))
-        return StreamResult(chunks, aggregate_oai(copy.deepcopy(chunks), chat=True))
+        return self._stream_result("/v1/chat/completions", body)
 
 
 class AsyncClient(_Base):
@@ -522,8 +532,9 @@ class AsyncClient(_Base):
         except httpx.TransportError as exc:
             raise self._unavailable(exc, url) from exc
 
-    async def _collect(self, path: str, body: Json) -> list[Json]:
-        return [chunk async for chunk in self.stream_events(path, body)]
+    async def _stream_result(self, path: str, body: Json) -> StreamResult:
+        chunks = [chunk async for chunk in self.stream_events(path, body)]
+        return StreamResult(chunks, _AGGREGATORS[path](copy.deepcopy(chunks)))
 
     # -- endpoints
     async def health(self) -> Json:
@@ -593,8 +604,7 @@ class AsyncClient(_Base):
         """``POST /completion`` streamed."""
         body = _body({"prompt": prompt}, shared_pool_slot=shared_pool_slot,
                      shared_prefix_n_tokens=shared_prefix_n_tokens, extra=extra, params=params)
-        chunks = await self._collect("/completion", body)
-        return StreamResult(chunks, aggregate_completion(copy.deepcopy(chunks)))
+        return await self._stream_result("/completion", body)
 
     async def oai_completion(
         self,
@@ -622,8 +632,7 @@ class AsyncClient(_Base):
         """``POST /v1/completions`` streamed."""
         body = _body({"prompt": prompt}, shared_pool_slot=shared_pool_slot,
                      shared_prefix_n_tokens=shared_prefix_n_tokens, extra=extra, params=params)
-        chunks = await self._collect("/v1/completions", body)
-        return StreamResult(chunks, aggregate_oai(copy.deepcopy(chunks), chat=False))
+        return await self._stream_result("/v1/completions", body)
 
     async def chat(
         self,
@@ -651,5 +660,4 @@ class AsyncClient(_Base):
         """``POST /v1/chat/completions`` streamed."""
         body = _body({"messages": messages}, shared_pool_slot=shared_pool_slot,
                      shared_prefix_n_tokens=shared_prefix_n_tokens, extra=extra, params=params)
-        chunks = await self._collect("/v1/chat/completions", body)
-        return StreamResult(chunks, aggregate_oai(copy.deepcopy(chunks), chat=True))
+        return await self._stream_result("/v1/chat/completions", body)

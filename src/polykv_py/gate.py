@@ -631,6 +631,12 @@ def run_gate(cfg: GateConfig | None = None) -> Json:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="polykv gate", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The gate's options (shared by ``polykv gate`` and ``gate/run_gate.py``)."""
     p.add_argument("--report", type=Path, help="write the JSON report here")
     p.add_argument("--checks", default=",".join(CHECKS), help=f"comma-separated subset of {','.join(CHECKS)}")
     p.add_argument("--share-server", choices=("patched", "upstream"), default="patched",
@@ -647,12 +653,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-fresh-info", action="store_true",
                    help="do not measure the informational fresh one-pass answers (saves two prefills per sharer)")
     p.add_argument("-q", "--quiet", action="store_true")
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the gate from the command line: 0 all checks passed, 1 a check failed."""
-    args = build_parser().parse_args(argv)
+    return run_from_args(build_parser().parse_args(argv))
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run the gate for parsed arguments: 0 all checks passed, 1 a check failed."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stdout)
     log.setLevel(logging.WARNING if args.quiet else logging.INFO)

@@ -37,7 +37,7 @@ def default_model_path(*, download: bool = True) -> Path:
     models = cache_dir() / "models"
     target = models / DEFAULT_MODEL_NAME
     if target.exists():
-        if sha256_file(target) == DEFAULT_MODEL_SHA256:
+        if _verified(target):
             return target
         log.warning("cached %s has the wrong sha256; fetching it again", target)
         target.unlink()
@@ -57,8 +57,35 @@ def default_model_path(*, download: bool = True) -> Path:
         tmp.unlink()
         raise ModelError(f"extracted GGUF sha256 {digest} does not match the pin {DEFAULT_MODEL_SHA256}")
     tmp.replace(target)
+    _stamp(target).write_text(_stat_key(target))
     log.info("default model ready at %s", target)
     return target
+
+
+def _stamp(path: Path) -> Path:
+    return path.with_name(path.name + ".verified")
+
+
+def _stat_key(path: Path) -> str:
+    st = path.stat()
+    return f"{DEFAULT_MODEL_SHA256} {st.st_size} {st.st_mtime_ns}\n"
+
+
+def _verified(path: Path) -> bool:
+    """Whether the cached GGUF has the pinned sha256.
+
+    Hashing 98 MB on every start costs a noticeable fraction of a second, so a verified file
+    is stamped with its size and mtime; the hash is recomputed only when those change.
+    """
+    stamp = _stamp(path)
+    key = _stat_key(path)
+    if stamp.is_file() and stamp.read_text() == key:
+        return True
+    if sha256_file(path) != DEFAULT_MODEL_SHA256:
+        stamp.unlink(missing_ok=True)
+        return False
+    stamp.write_text(key)
+    return True
 
 
 def resolve_model(model: str | os.PathLike[str] | None = None) -> Path:

@@ -8,10 +8,10 @@ from polykv_py import cli, gate
 
 
 def test_gate_options_reach_the_gate(monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: list[list[str]] = []
-    monkeypatch.setattr(gate, "main", lambda argv: seen.append(list(argv)) or 7)
+    seen: list[tuple[str, int]] = []
+    monkeypatch.setattr(gate, "run_from_args", lambda args: seen.append((str(args.report), args.sharers)) or 7)
     assert cli.main(["gate", "--report", "r.json", "--sharers", "2"]) == 7
-    assert seen == [["--report", "r.json", "--sharers", "2"]]
+    assert seen == [("r.json", 2)]
 
 
 def test_serve_defaults_keep_the_pool_resident() -> None:

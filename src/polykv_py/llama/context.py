@@ -7,19 +7,19 @@ import os
 from collections.abc import Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any
 
 from .._ffi import ffi, lib
 from ..errors import ContextFullError, LlamaError, SequenceError, TokenError
 from . import state as _state
 from ._check import check_decode, check_ptr
+from ._owned import OwnedPointer
 from .backend import max_parallel_sequences
 from .batch import Batch
 from .memory import Memory
 from .params import ContextParams
 
 if TYPE_CHECKING:
-    from types import TracebackType
 
     from .model import Model
 
@@ -32,12 +32,14 @@ _FLASH = {
 }
 
 
-class Context:
+class Context(OwnedPointer):
     """Owns a ``llama_context``. Use as a context manager or call :meth:`close`.
 
     ``memory`` is the KV view (:class:`Memory`); ``tokens_decoded`` counts tokens that
     went through successful ``llama_decode`` calls.
     """
+
+    _what = "context"
 
     def __init__(self, model: Model, params: ContextParams | None = None, **overrides: Any) -> None:
         self._ptr: Any = ffi.NULL
@@ -68,30 +70,8 @@ class Context:
         model._register(self)
 
     # -- ownership ------------------------------------------------------------------
-    @property
-    def ptr(self) -> Any:
-        if self._ptr == ffi.NULL:
-            raise LlamaError("the context is closed")
-        return self._ptr
-
-    @property
-    def closed(self) -> bool:
-        return self._ptr == ffi.NULL
-
-    def close(self) -> None:
-        if self._ptr != ffi.NULL:
-            lib.llama_free(self._ptr)
-            self._ptr = ffi.NULL
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if getattr(self, "_ptr", ffi.NULL) != ffi.NULL:
-            self.close()
+    def _free(self, ptr: Any) -> None:
+        lib.llama_free(ptr)
 
     @property
     def n_stream(self) -> int:

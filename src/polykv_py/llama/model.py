@@ -7,30 +7,32 @@ import logging
 import os
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any
 
 from .._ffi import ffi, lib
-from ..errors import LlamaError, ModelError
+from ..errors import ModelError
 from ..models import resolve_model
 from ._check import check_ptr
+from ._owned import OwnedPointer
 from .backend import ensure_backend
 from .vocab import Vocab
 
 if TYPE_CHECKING:
-    from types import TracebackType
 
     from .context import Context, ContextParams
 
 log = logging.getLogger(__name__)
 
 
-class Model:
+class Model(OwnedPointer):
     """A GGUF model loaded with libllama.
 
     ``path`` defaults to ``$POLYKV_MODEL`` or the default model (see :mod:`polykv_py.models`).
     ``n_gpu_layers`` < 0 offloads every layer when a GPU backend exists (a no-op on CPU builds).
     Use as a context manager, or call :meth:`close`; closing also closes its contexts.
     """
+
+    _what = "model"
 
     def __init__(
         self,
@@ -57,35 +59,11 @@ class Model:
         log.debug("loaded %s (%s)", self.path, self.description)
 
     # -- ownership ------------------------------------------------------------------
-    @property
-    def ptr(self) -> Any:
-        """The ``llama_model *``; raises :class:`LlamaError` once closed."""
-        if self._ptr == ffi.NULL:
-            raise LlamaError("the model is closed")
-        return self._ptr
-
-    @property
-    def closed(self) -> bool:
-        return self._ptr == ffi.NULL
-
-    def close(self) -> None:
-        """Close every context of this model, then free the model. Idempotent."""
-        if self._ptr == ffi.NULL:
-            return
+    def _free(self, ptr: Any) -> None:
+        """Close every context of this model, then free the model."""
         for ctx in list(self._contexts):
             ctx.close()
-        lib.llama_model_free(self._ptr)
-        self._ptr = ffi.NULL
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if getattr(self, "_ptr", ffi.NULL) != ffi.NULL:
-            self.close()
+        lib.llama_model_free(ptr)
 
     def _register(self, ctx: Context) -> None:
         self._contexts.add(ctx)

@@ -2,21 +2,22 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any
 
-from .._ffi import ffi, lib
-from ..errors import LlamaError
+from .._ffi import lib
 from ._check import check_ptr
+from ._owned import OwnedPointer
 from .params import SamplingParams
 
 if TYPE_CHECKING:
-    from types import TracebackType
 
     from .context import Context
 
 
-class Sampler:
+class Sampler(OwnedPointer):
     """An owned ``llama_sampler`` chain built from :class:`SamplingParams`."""
+
+    _what = "sampler"
 
     def __init__(self, params: SamplingParams | None = None) -> None:
         self.params = params or SamplingParams()
@@ -37,12 +38,6 @@ class Sampler:
     def _add(self, smpl: Any) -> None:
         lib.llama_sampler_chain_add(self._ptr, check_ptr(smpl, "creating a sampler"))  # the chain owns it
 
-    @property
-    def ptr(self) -> Any:
-        if self._ptr == ffi.NULL:
-            raise LlamaError("the sampler is closed")
-        return self._ptr
-
     def sample(self, ctx: Context, idx: int) -> int:
         """Pick (and accept) a token from output ``idx`` of the context's last decode."""
         ctx.check_output(idx)
@@ -54,17 +49,5 @@ class Sampler:
     def reset(self) -> None:
         lib.llama_sampler_reset(self.ptr)
 
-    def close(self) -> None:
-        if self._ptr != ffi.NULL:
-            lib.llama_sampler_free(self._ptr)
-            self._ptr = ffi.NULL
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if getattr(self, "_ptr", ffi.NULL) != ffi.NULL:
-            self.close()
+    def _free(self, ptr: Any) -> None:
+        lib.llama_sampler_free(ptr)

@@ -154,6 +154,26 @@ def _git_apply(tree: Path, patch: Path, *extra: str) -> subprocess.CompletedProc
                           cwd=tree, capture_output=True, text=True, env=env)
 
 
+def _touched_files(patch: Path) -> set[str]:
+    return {line[6:] for line in patch.read_text().splitlines() if line.startswith("+++ b/")}
+
+
+def _series_present(tree: Path, patches: list[Path]) -> bool:
+    """True if ``patches`` (in series order) are all in ``tree``: undoing them newest first
+    succeeds on a scratch copy of the files they touch.  A later patch may edit an earlier
+    one's hunks, so each is checked against the tree with the later ones already undone."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="polykv-series-") as tmp:
+        scratch = Path(tmp) / "tree"
+        for rel in set().union(*(_touched_files(p) for p in patches)):
+            if (tree / rel).is_file():
+                (scratch / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(tree / rel, scratch / rel)
+        scratch.mkdir(exist_ok=True)
+        return all(_git_apply(scratch, p, "--reverse").returncode == 0 for p in reversed(patches))
+
+
 def _unapply_stale(tree: Path, done: dict[str, str], wanted: dict[str, str]) -> dict[str, str]:
     """Reverse-apply, newest first, every recorded patch from the first one that changed.
 
@@ -192,7 +212,7 @@ def apply_series(tree: Path) -> list[str]:
     record_path.write_text(json.dumps(done, indent=2) + "\n")
     (tree / APPLIED_DIR).mkdir(exist_ok=True)
     applied_now = []
-    for patch in patches:
+    for k, patch in enumerate(patches):
         if patch.name in done:
             continue
         check = _git_apply(tree, patch, "--check")
@@ -202,7 +222,8 @@ def apply_series(tree: Path) -> list[str]:
                 raise PatchToolError(f"patch {patch.name} failed to apply:\n{res.stderr}")
             applied_now.append(patch.name)
             log.info("applied %s", patch.name)
-        elif _git_apply(tree, patch, "--check", "--reverse").returncode == 0:
+        elif any(_series_present(tree, patches[k:j]) for j in range(len(patches), k, -1)):
+            # it is in the tree, maybe with later patches on top (they may edit its hunks)
             log.info("%s is already in the tree; recording it", patch.name)
         else:
             raise PatchToolError(

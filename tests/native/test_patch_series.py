@@ -44,15 +44,30 @@ def test_series_is_numbered_and_has_headers() -> None:
         assert patchtool.read_pin()["upstream_commit"] in head, f"{p.name} does not name the upstream commit"
 
 
+def patchtool_touched_files() -> list[str]:
+    """Paths the series edits (from the diff headers)."""
+    files = set()
+    for p in patchtool.patch_files():
+        for line in p.read_text().splitlines():
+            if line.startswith("+++ b/"):
+                files.add(line[6:])
+    return sorted(files)
+
+
 def test_series_applies_to_pristine_tree_and_is_idempotent(pristine_tree: Path, tmp_path: Path) -> None:
     tree = tmp_path / "llama.cpp"
     shutil.copytree(pristine_tree, tree)
     applied = patchtool.apply_series(tree)
     assert applied == [p.name for p in patchtool.patch_files()]
-    # every hunk landed: reversing the series must succeed patch by patch
-    for p in reversed(patchtool.patch_files()):
-        assert patchtool._git_apply(tree, p, "--check", "--reverse").returncode == 0, p.name
     assert patchtool.apply_series(tree) == []  # second run: nothing re-applied, no error
+    # every hunk landed: undoing the series newest first gives back the pristine files
+    undo = tmp_path / "undo"
+    shutil.copytree(tree, undo)
+    for p in reversed(patchtool.patch_files()):
+        res = patchtool._git_apply(undo, p, "--reverse")
+        assert res.returncode == 0, f"{p.name}: {res.stderr}"
+    changed = [f for f in patchtool_touched_files() if (undo / f).read_bytes() != (pristine_tree / f).read_bytes()]
+    assert changed == []
 
 
 def test_already_patched_tree_without_record_is_recognised(pristine_tree: Path, tmp_path: Path) -> None:
@@ -133,3 +148,13 @@ def test_edited_patch_is_rolled_back_and_reapplied(pristine_tree: Path, tmp_path
     assert patchtool.apply_series(tree) == ["0001-marker.patch"]
     text = (tree / target).read_text()
     assert text.endswith("// second\n") and "// first" not in text
+
+
+def test_partly_patched_tree_without_record_gets_the_rest(pristine_tree: Path, tmp_path: Path) -> None:
+    tree = tmp_path / "llama.cpp"
+    shutil.copytree(pristine_tree, tree)
+    *first, last = patchtool.patch_files()
+    for p in first:
+        assert patchtool._git_apply(tree, p).returncode == 0, p.name
+    assert patchtool.apply_series(tree) == [last.name]
+    assert json.loads((tree / patchtool.APPLIED_RECORD).read_text()).keys() == {p.name for p in [*first, last]}

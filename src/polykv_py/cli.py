@@ -14,7 +14,7 @@ from .errors import PolykvError
 log = logging.getLogger("polykv")
 
 #: Flags `polykv serve` adds unless the user passes their own after `--`.
-SERVE_DEFAULTS = ["-kvu", "--no-clear-idle", "--cache-ram", "0", "-np", "8", "-c", "32768",
+SERVE_DEFAULTS = ["-kvu", "--no-clear-idle", "--cache-ram", "0", "--pool-slots", "0", "-np", "8", "-c", "32768",
                   "-t", str(min(os.cpu_count() or 2, 8)),
                   "--metrics", "--slots"]
 
@@ -39,19 +39,39 @@ def _cmd_fetch_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _is_loopback(host: str) -> bool:
+    """True for an address only this machine can reach (127.0.0.0/8, ::1, localhost, a UNIX socket)."""
+    import ipaddress
+
+    if host == "localhost" or host.endswith(".sock"):
+        return True
+    try:
+        return all(ipaddress.ip_address(h.strip().strip("[]")).is_loopback for h in host.split(","))
+    except ValueError:
+        return False
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from .models import resolve_model
     from .native import server_binary
+    from .server import _redact
 
     binary = server_binary("upstream" if args.upstream else "patched")
     extra = list(args.server_args)
     if extra[:1] == ["--"]:
         extra = extra[1:]
     cmd = [str(binary), "-m", str(resolve_model(args.model)), "--host", args.host, "--port", str(args.port)]
-    cmd += ([] if args.no_defaults else SERVE_DEFAULTS) + extra
+    defaults = [] if args.no_defaults else list(SERVE_DEFAULTS)
+    if args.upstream:  # the reference server would parse --pool-slots (shared libllama-common) and ignore it
+        i = defaults.index("--pool-slots")
+        del defaults[i:i + 2]
+    cmd += defaults + extra
     if args.api_key:
         cmd += ["--api-key", args.api_key]
-    log.info("exec %s", " ".join(cmd))
+    if not _is_loopback(args.host):
+        log.warning("binding %s: reachable from other machines%s", args.host,
+                    "" if args.api_key else " with no API key (anyone can prompt, prime and erase slots)")
+    log.info("exec %s", " ".join(_redact(cmd)))
     sys.stdout.flush()
     os.execv(cmd[0], cmd)
     return 0  # pragma: no cover - execv does not return
@@ -76,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="run the patched llama-server with pool-friendly defaults")
     p.add_argument("--model", "-m", help="GGUF path (default: $POLYKV_MODEL or the default model)")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="bind address (default: 127.0.0.1, loopback only; another address must be given explicitly)")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--api-key", default=os.environ.get("POLYKV_API_KEY"), help="require this API key")
     p.add_argument("--upstream", action="store_true", help="run the reference (unpatched) server instead")

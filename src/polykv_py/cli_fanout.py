@@ -179,9 +179,10 @@ def _collect_agents(args: argparse.Namespace) -> list[Agent]:
 
 
 async def _fanout(
-    url: str, base: BaseContext, agents: list[Agent], args: argparse.Namespace, progress: Progress, kv: Any
+    url: str, base: BaseContext, agents: list[Agent], args: argparse.Namespace, progress: Progress, kv: Any,
+    server: Any = None,
 ) -> tuple[FanoutResult, FanoutResult | None]:
-    async with SharedContext.connect(url, base, api_key=args.api_key, pool_slot=args.pool_slot,
+    async with SharedContext.connect(url, base, api_key=args.api_key, server=server, pool_slot=args.pool_slot,
                                      concurrency=args.concurrency, timeout=args.timeout,
                                      max_connections=max(64, (args.concurrency or 0) + 8)) as ctx:
         if kv is not None:
@@ -269,7 +270,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             kv = None if args.no_kv else KVCellsLog(server.log_path)
             info = {"server": str(server.binary), "model": str(server.model), "log": str(server.log_path),
                     "args": server.args}
-        result, baseline = asyncio.run(_fanout(url, base, agents, args, progress, kv))
+        result, baseline = asyncio.run(_fanout(url, base, agents, args, progress, kv, server))
         if server is not None:
             info["rss_mib"] = round(server.usage().rss_bytes / 2**20, 1)
     finally:

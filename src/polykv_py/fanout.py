@@ -294,6 +294,16 @@ def stale_connection(exc: BaseException) -> bool:
     )
 
 
+def server_gone(exc: BaseException) -> bool:
+    """True when a request failed because the server is gone, not because of this request: its
+    process is known to have exited, or nothing accepts connections at its address any more."""
+    import httpx
+
+    return isinstance(exc, ServerUnavailableError) and (
+        exc.exit_status is not None or isinstance(exc.__cause__, httpx.ConnectError)
+    )
+
+
 def needs_reprime(status: str) -> bool:
     return status in REPRIME_STATUSES
 
@@ -308,6 +318,11 @@ class SharedContext:
     server's ordinary caches).  ``concurrency`` bounds the requests in flight
     (default: the server's slots minus the pool slot). With ``keep_going`` a failed
     agent request becomes a result with status ``"error"`` instead of failing the run.
+    A server that is gone (its process exited, or it refuses connections) fails the run
+    whatever ``keep_going`` says: the :class:`~polykv_py.errors.ServerUnavailableError`
+    (with the server's log tail when the client belongs to a ``LlamaServer``) is raised,
+    the agents still in flight are cancelled, and the pool is forgotten, so the next
+    :meth:`run` (after e.g. :meth:`LlamaServer.restart`) primes it again first.
     """
 
     def __init__(
@@ -335,6 +350,7 @@ class SharedContext:
         self._pool_tokens: list[int] | None = None
         self._generation = 0
         self._primed_generation = -1
+        self._lost_reason: str | None = None
         self._ready = asyncio.Event()
         self._prime_lock = asyncio.Lock()
         self._tokens_cache: dict[str, list[int]] = {}
@@ -351,14 +367,17 @@ class SharedContext:
         api_key: str | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         max_connections: int = 64,
+        server: Any = None,
         **kwargs: Any,
     ) -> SharedContext:
         """A shared context on the server at ``url`` (owns its client: use ``async with``).
 
         ``timeout``: seconds a request may wait for the next bytes; ``max_connections``
         bounds the requests in flight at the HTTP level (keep it >= ``concurrency``).
+        ``server``: the :class:`~polykv_py.server.LlamaServer` behind ``url``, if any: a failed
+        request then says whether the process exited, with its exit status and log tail.
         """
-        client = AsyncClient(url, api_key=api_key, timeout=timeout, max_connections=max_connections)
+        client = AsyncClient(url, api_key=api_key, timeout=timeout, max_connections=max_connections, server=server)
         ctx = cls(client, base, **kwargs)
         ctx._owns_client = True
         return ctx
@@ -460,11 +479,22 @@ class SharedContext:
             self._ready.set()
 
     async def ensure_primed(self) -> None:
-        """Prime the pool unless it has been primed already."""
+        """Prime the pool unless it has been primed already (or was forgotten since)."""
         if self._primed_generation < 0:
             async with self._prime_lock:
                 if self._primed_generation < 0:
-                    await self._prime_locked("initial")
+                    await self._prime_locked(self._initial_reason())
+
+    def forget_pool(self, reason: str = "server restart") -> None:
+        """Mark the pool as not primed (e.g. the server was restarted and its KV is empty):
+        the next :meth:`run` or :meth:`ask` primes it again before any agent is sent."""
+        if self._primed_generation >= 0:
+            log.info("pool slot %d forgotten (%s): the next run primes it again", self.pool_slot, reason)
+            self._lost_reason = reason
+        self._primed_generation = -1
+
+    def _initial_reason(self) -> str:
+        return "initial" if self._lost_reason is None else f"re-prime after {self._lost_reason}"
 
     async def _reprime_after(self, generation: int, status: str) -> None:
         async with self._prime_lock:
@@ -576,6 +606,10 @@ class SharedContext:
         self._progress = progress
         try:
             return await self._run(agents, t0, n_primes, prime, progress)
+        except ServerUnavailableError as exc:
+            if server_gone(exc):
+                self.forget_pool("server gone")
+            raise
         finally:
             self._progress = None
 
@@ -584,14 +618,18 @@ class SharedContext:
     ) -> FanoutResult:
         do_prime = prime if prime is not None else (self.share and self._primed_generation < 0)
         if do_prime:
-            await self.prime("initial" if self._primed_generation < 0 else "requested")
+            await self.prime(self._initial_reason() if self._primed_generation < 0 else "requested")
         n_pool = len(await self.pool_tokens())
         limit = self.concurrency or max(1, (await self.slot_count()) - (1 if self.share else 0))
         sem = asyncio.Semaphore(limit)
         await asyncio.gather(*(self.agent_tokens(a) for a in agents))  # tokenize up front, concurrently
 
+        ending: list[BaseException] = []  # set by the failure that ends the run
+
         async def one(i: int, agent: Agent) -> AgentResult:
             async with sem:
+                if ending:  # the run is failing: send nothing more
+                    raise asyncio.CancelledError
                 if progress:
                     progress("start", i)
                 try:
@@ -599,7 +637,8 @@ class SharedContext:
                 except FanoutError:
                     raise
                 except PolykvError as exc:
-                    if not self.keep_going:
+                    if server_gone(exc) or not self.keep_going:
+                        ending.append(exc)
                         raise
                     log.error("agent %d (%s) failed: %s", i + 1, agent.name or "-", first_line(exc))
                     res = self._failed(agent, i, t0, len(await self.agent_tokens(agent)), exc)
@@ -607,7 +646,14 @@ class SharedContext:
                 progress("done", res)
             return res
 
-        results = await asyncio.gather(*(one(i, a) for i, a in enumerate(agents)))
+        tasks = [asyncio.ensure_future(one(i, a)) for i, a in enumerate(agents)]
+        try:
+            results = await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:  # the first failure ends the run: cancel the rest and wait for them
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         return FanoutResult(
             agents=list(results),
             primes=list(self.primes[n_primes:]),
@@ -633,9 +679,10 @@ def run_fanout(
     """
     url = server if isinstance(server, str) else server.url
     key = api_key if api_key is not None or isinstance(server, str) else getattr(server, "api_key", None)
+    process = None if isinstance(server, str) else server  # errors then carry its exit status and log tail
 
     async def main() -> FanoutResult:
-        async with SharedContext.connect(url, base, api_key=key, **kwargs) as ctx:
+        async with SharedContext.connect(url, base, api_key=key, server=process, **kwargs) as ctx:
             return await ctx.run(agents)
 
     return asyncio.run(main())
@@ -659,11 +706,12 @@ def pool_server(
     extra_args: Sequence[str] = (),
     track_kv: bool = True,
     name: str = "polykv-pool",
+    pool_slot: int = 0,
 ) -> Any:
     """A (not yet started) :class:`~polykv_py.server.LlamaServer` set up for a fan-out.
 
-    ``n_agents_parallel`` agent slots plus the pool slot, ``ctx`` KV cells in all
-    (unified), and with ``track_kv`` the debug logging :mod:`polykv_py.kvcells` reads.
+    ``n_agents_parallel`` agent slots plus the pool slot ``pool_slot`` (reserved with
+    ``--pool-slots`` on the patched server), ``ctx`` KV cells in all (unified), and with ``track_kv`` the debug logging :mod:`polykv_py.kvcells` reads.
     """
     import tempfile
 
@@ -673,6 +721,8 @@ def pool_server(
     # --slot-save-path only enables the /slots actions (erase is used to empty slots between runs)
     slot_dir = tempfile.mkdtemp(prefix="polykv-slots-")
     args: list[str] = [*POOL_SERVER_ARGS, "-np", str(n_agents_parallel + 1), "-c", str(ctx), "--slot-save-path", slot_dir]
+    if kind == "patched":  # reserve the pool slot (patch 0073): only pinned requests run there, never purged
+        args += ["--pool-slots", str(pool_slot)]
     if track_kv:
         args += KV_DEBUG_ARGS
     return LlamaServer(

@@ -172,6 +172,9 @@ class LlamaServer:
         self.binary = Path(binary) if binary is not None else server_binary(kind)
         self.model = resolve_model(model)
         self.args = [str(a) for a in args]
+        if kind == "upstream" and any(a.split("=", 1)[0] == "--pool-slots" for a in self.args):
+            # libllama-common is shared, so the reference binary would parse the flag and silently ignore it
+            raise ServerError("--pool-slots is polykv's option (patch 0073): the reference server ignores it")
         self.host = host
         self._requested_port = port
         self.threads = threads
@@ -264,6 +267,29 @@ class LlamaServer:
                     continue
                 raise
         raise AssertionError("unreachable")
+
+    def restart(self, timeout: float | None = None) -> LlamaServer:
+        """Stop the process (or reap it, if it died) and start it again, on the same port when it is free.
+
+        Keeping the port keeps :attr:`url` valid for clients made before the restart (e.g. a
+        :class:`~polykv_py.fanout.SharedContext` re-primes through the same client). Only when
+        no port was requested and the old one has been taken in between is a new free port
+        chosen (logged; read :attr:`url` again). The KV cache starts empty: re-prime pools.
+        """
+        old_port = self._port
+        self.stop()
+        if old_port is None or self._requested_port is not None:
+            return self.start(timeout)
+        self._requested_port = old_port
+        try:
+            return self.start(timeout)
+        except ServerError as exc:
+            if _BIND_FAILURE not in exc.log_tail:
+                raise
+            log.warning("%s: port %d was taken during the restart; using a new port", self.name, old_port)
+        finally:
+            self._requested_port = None
+        return self.start(timeout)
 
     def _spawn(self, port: int) -> None:
         log_dir = self._log_dir or default_log_dir()

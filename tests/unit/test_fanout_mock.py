@@ -196,3 +196,45 @@ def test_a_stale_connection_is_retried_once() -> None:
     server = FakeServer(stale=2)
     _ctx, res = run(server, BaseContext.from_text("doc "), [Agent("a")])
     assert res.agents[0].status == "error" and "disconnected" in (res.agents[0].error or "")
+
+
+def test_a_server_that_is_gone_fails_the_run_and_the_next_run_primes_again() -> None:
+    """keep_going covers a failing request, not a dead server: refused connections end the run with
+    ServerUnavailableError, the agents still queued are cancelled, and after a restart (here: the fake
+    comes back with an empty KV cache) the same SharedContext primes before its agents and they hit."""
+    from polykv_py.errors import ServerUnavailableError
+
+    server = FakeServer()
+    state = {"down": False}
+    sent_while_down: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if state["down"]:
+            sent_while_down.append(request.url.path)
+            raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+        return server.handler(request)
+
+    async def main() -> tuple[Any, Any, BaseException | None]:
+        async with AsyncClient("http://fake", transport=httpx.MockTransport(handler)) as client:
+            ctx = SharedContext(client, BaseContext.from_text("doc "), concurrency=1)
+            agents = [Agent(f"q{i}") for i in range(4)]
+            first = await ctx.run(agents)
+            state["down"] = True
+            failure: BaseException | None = None
+            try:
+                await ctx.run(agents)  # tokens known: the first request to fail is an agent's
+            except ServerUnavailableError as exc:
+                failure = exc
+            state["down"] = False
+            server.pool.clear()  # a restarted server holds no KV
+            again = await ctx.run(agents)
+            return first, again, failure
+
+    first, again, failure = asyncio.run(main())
+    assert [a.status for a in first.agents] == ["hit"] * 4
+    assert failure is not None and "Connection refused" in str(failure)
+    # concurrency 1: the first agent failed (sent twice: a refused connection may be a stale one), the rest
+    # never went out
+    assert sent_while_down == ["/completion", "/completion"]
+    assert [p.reason for p in again.primes] == ["re-prime after server gone"]
+    assert [a.status for a in again.agents] == ["hit"] * 4

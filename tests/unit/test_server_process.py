@@ -75,3 +75,49 @@ def test_read_log_tail_and_free_port(tmp_path: Path) -> None:
     assert read_log_tail(log, 3) == "line 97\nline 98\nline 99"
     assert read_log_tail(tmp_path / "missing.log") == ""
     assert 0 < free_port() < 65536
+
+
+FAKE_HTTP_SERVER = '''#!{python}
+import http.server, sys
+args = sys.argv[1:]
+host, port = args[args.index("--host") + 1], int(args[args.index("--port") + 1])
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.send_header("Content-Type", "application/json"); self.end_headers()
+        self.wfile.write(b'{{"status": "ok"}}')
+    def log_message(self, *a): pass
+try:
+    srv = http.server.HTTPServer((host, port), H)
+except OSError as exc:
+    print("couldn't bind HTTP server socket:", exc, flush=True); sys.exit(1)
+print("listening", port, flush=True)
+srv.serve_forever()
+'''
+
+
+def test_restart_after_a_kill_keeps_the_port_or_falls_back(tmp_path: Path, fake_model: Path) -> None:
+    import os
+    import signal
+    import socket
+    import sys
+
+    exe = tmp_path / "fake-http-server"
+    exe.write_text(FAKE_HTTP_SERVER.format(python=sys.executable))
+    exe.chmod(0o755)
+    srv = LlamaServer(exe, fake_model, log_dir=tmp_path).start(timeout=30)
+    try:
+        port, pid = srv.port, srv.pid
+        os.kill(pid, signal.SIGKILL)
+        srv.restart(timeout=30)  # reaps the dead process, same port: clients keep their URL
+        assert srv.port == port and srv.pid != pid and srv.is_alive() and gone(pid)
+        assert srv.health_state() == "ok"
+        pid = srv.pid
+        srv.stop()
+        with socket.socket() as squatter:  # the old port was taken meanwhile: a new one, not a failure
+            squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            squatter.bind(("127.0.0.1", port))
+            squatter.listen()
+            srv.restart(timeout=30)
+        assert srv.port != port and srv.is_alive() and srv.health_state() == "ok" and gone(pid)
+    finally:
+        srv.stop()

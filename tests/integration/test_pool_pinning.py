@@ -1,0 +1,235 @@
+"""``--pool-slots`` (patch 0073): a reserved pool survives upstream's default flags.
+
+Each scenario runs twice, with and without the reservation, on the same flags: the
+unreserved run shows what upstream does to an idle pool slot (the control), the
+reserved run shows the pool staying resident and the share hitting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from polykv_py.client import Client, aggregate_completion
+from polykv_py.compare import compare_greedy
+from polykv_py.errors import ServerError
+from polykv_py.server import LlamaServer
+
+pytestmark = pytest.mark.integration
+
+GREEDY: dict[str, Any] = {"temperature": 0, "cache_prompt": True}
+
+
+def text_of(c: Client, n_tokens: int, seed: int) -> str:
+    """A prompt of exactly ``n_tokens`` tokens (numbered facts, cut at a token boundary)."""
+    lines = [f"Record {seed}-{i}: the archive lists item {i * 7 + seed} under shelf {i % 13}." for i in range(n_tokens)]
+    ids = c.tokenize("\n".join(lines))[:n_tokens]
+    out = c.detokenize(ids)
+    assert len(c.tokenize(out)) == n_tokens, "prompt does not round-trip at this cut"
+    return out
+
+
+def prime(c: Client, prompt: str, slot: int = 0) -> None:
+    c.completion(prompt, id_slot=slot, n_predict=1, **GREEDY)
+
+
+def pool_tokens(c: Client, slot: int = 0) -> int:
+    return int(next(s for s in c.slots() if s["id"] == slot).get("n_prompt_tokens", 0))
+
+
+def share(c: Client, base: str, question: str, **params: Any) -> dict[str, Any]:
+    p = c.shared_prefix_len(base, base + question)
+    return c.completion(base + question, shared_pool_slot=0, shared_prefix_n_tokens=p,
+                        **{"n_predict": 4, **GREEDY, **params})
+
+
+def start(bin_: Path, model: Path, logs: Path, name: str, args: list[str]) -> LlamaServer:
+    return LlamaServer(bin_, model, args, log_dir=logs, name=name).start()
+
+
+@pytest.fixture
+def logs(tmp_path: Path) -> Path:
+    return tmp_path
+
+
+# ----------------------------------------------------------------- idle-slot caching
+@pytest.mark.parametrize("reserved", [True, False], ids=["reserved", "control"])
+def test_pool_survives_idle_slot_caching(reserved: bool, patched_server_bin: Path, model_path: Path,
+                                         logs: Path) -> None:
+    """Upstream's defaults (host cache on, idle slots saved and cleared): only a reserved pool stays."""
+    args = ["-kvu", "-np", "3", "-c", "4096", "--slots"] + (["--pool-slots", "0"] if reserved else [])
+    with start(patched_server_bin, model_path, logs, "idle-cache", args) as srv:
+        c = srv.client
+        base = text_of(c, 300, 1)
+        prime(c, base)
+        # any other task launching triggers [TAG_IDLE_SLOT_CLEAR] for every idle slot
+        c.completion("Unrelated: name a color.", n_predict=2, **GREEDY)
+        out = share(c, base, "\nQuestion: which shelf holds item 8? Answer:")
+        status = out["shared_prefix"]["status"]
+        if reserved:
+            assert status == "hit", out["shared_prefix"]
+            assert out["shared_prefix"]["shared"] == out["shared_prefix"]["requested"] >= 299
+            assert pool_tokens(c) >= 300
+            assert next(s for s in c.slots() if s["id"] == 0).get("polykv_pool") is True
+        else:
+            # the pool was saved to the host cache and cleared; the sharer may restore it from RAM as a
+            # private copy (own_cache) instead of sharing
+            assert status in ("not_resident", "own_cache"), out["shared_prefix"]
+            assert pool_tokens(c) == 0
+
+
+# ----------------------------------------------------------------- purge for room
+@pytest.mark.parametrize("reserved", [True, False], ids=["reserved", "control"])
+def test_pool_not_purged_when_kv_runs_out(reserved: bool, patched_server_bin: Path, model_path: Path,
+                                          logs: Path) -> None:
+    """Unified KV full: upstream purges idle slots in id order (the pool first); a reserved pool is skipped."""
+    args = ["-kvu", "-np", "3", "-c", "1024", "-b", "256", "-ub", "256", "--cache-ram", "0", "--slots"]
+    args += ["--pool-slots", "0"] if reserved else []
+    with start(patched_server_bin, model_path, logs, "purge", args) as srv:
+        c = srv.client
+        base = text_of(c, 400, 2)
+        prime(c, base)
+        c.completion(text_of(c, 380, 3), id_slot=1, n_predict=1, **GREEDY)  # idle afterwards, ~381 cells
+        # 400 + 381 cells in use: a 360-token prompt does not fit without purging an idle slot
+        out = c.completion(text_of(c, 360, 4), id_slot=2, n_predict=1, **GREEDY)
+        assert out["tokens_evaluated"] == 360
+        assert "purging slot" in srv.log_tail(400)
+        if reserved:
+            assert "purging slot 1" in srv.log_tail(400) and "purging slot 0" not in srv.log_tail(400)
+            assert pool_tokens(c) >= 400
+            assert share(c, base, "\nQ: shelf of item 9?")["shared_prefix"]["status"] == "hit"
+        else:
+            assert "purging slot 0" in srv.log_tail(400)
+            assert share(c, base, "\nQ: shelf of item 9?")["shared_prefix"]["status"] == "not_resident"
+
+
+# ----------------------------------------------------------------- scheduling
+def test_unpinned_requests_never_run_on_a_reserved_pool(patched_server_bin: Path, model_path: Path,
+                                                        logs: Path) -> None:
+    """More concurrent unpinned requests than free slots wait for a free slot; none lands on the pool."""
+    args = ["-kvu", "-np", "3", "-c", "4096", "--cache-ram", "0", "--slots", "--pool-slots", "0"]
+    with start(patched_server_bin, model_path, logs, "sched", args) as srv:
+        c = srv.client
+        base = text_of(c, 200, 5)
+        prime(c, base)
+
+        async def burst() -> list[dict[str, Any]]:
+            async with srv.async_client() as ac:
+                return list(await asyncio.gather(*[
+                    ac.completion(f"Task {i}: count to {i + 3}.", n_predict=6, **GREEDY) for i in range(6)]))
+
+        outs = asyncio.run(burst())
+        assert sorted({o["id_slot"] for o in outs}) == [1, 2]
+        assert pool_tokens(c) >= 200
+        out = share(c, base, "\nQ: which shelf holds item 5?")
+        assert out["shared_prefix"]["status"] == "hit"
+        assert out["id_slot"] != 0
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("0,x", "'x' is not a slot id"),
+    ("0,0", "listed twice"),
+    ("3", "slot 3 does not exist"),
+    ("0,1,2", "all 3 slots are reserved"),
+])
+def test_bad_pool_slots_stop_the_server_with_a_reason(value: str, message: str, patched_server_bin: Path,
+                                                      model_path: Path, logs: Path) -> None:
+    srv = LlamaServer(patched_server_bin, model_path, ["-np", "3", "-c", "1024", "--pool-slots", value],
+                      log_dir=logs, name="bad-pool", start_timeout=60)
+    with pytest.raises(ServerError) as err:
+        srv.start()
+    assert message in str(err.value)
+    assert srv.returncode not in (None, 0)
+
+
+def test_reference_server_refuses_pool_slots(model_path: Path, logs: Path) -> None:
+    """The reference binary parses the flag (shared libllama-common) but ignores it: the launcher refuses."""
+    with pytest.raises(ServerError, match="--pool-slots"):
+        LlamaServer(kind="upstream", model=model_path, args=["--pool-slots", "0"], log_dir=logs)
+
+
+# ----------------------------------------------------------------- re-priming under sharers
+@pytest.fixture(scope="module")
+def pool_server(patched_server_bin: Path, model_path: Path,
+                tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
+    args = ["-kvu", "-np", "4", "-c", "4096", "--cache-ram", "0", "--slots", "--pool-slots", "0",
+            "--slot-save-path", str(tmp_path_factory.mktemp("slots"))]
+    with LlamaServer(patched_server_bin, model_path, args, log_dir=tmp_path_factory.mktemp("reprime"),
+                     name="reprime") as srv:
+        yield srv
+
+
+QUESTIONS = ["\nQuestion: which shelf holds item 15? Answer:", "\nQuestion: list three items. Answer:"]
+
+
+def _sharers(srv: LlamaServer, base: str, on_first_token: threading.Event | None) -> list[dict[str, Any]]:
+    """Two sharers generating 40 tokens each, concurrently; sets ``on_first_token`` once both stream."""
+    c = srv.client
+    p = c.shared_prefix_len(base, base + QUESTIONS[0])
+    results: list[dict[str, Any]] = [{}, {}]
+    started = [threading.Event(), threading.Event()]
+
+    def run(i: int) -> None:
+        with Client(srv.url, server=srv) as own:
+            chunks = []
+            for ev in own.stream_events("/completion", {
+                "prompt": base + QUESTIONS[i], "id_slot": i + 1, "shared_pool_slot": 0,
+                "shared_prefix_n_tokens": p, "n_predict": 40, "n_probs": 2, "stream": True, **GREEDY,
+            }):
+                chunks.append(ev)
+                started[i].set()
+            results[i] = aggregate_completion(chunks)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    if on_first_token is not None:
+        for ev in started:
+            ev.wait(120)
+        on_first_token.set()
+    for t in threads:
+        t.join(300)
+    return results
+
+
+def test_repriming_the_pool_does_not_disturb_running_sharers(pool_server: LlamaServer) -> None:
+    c = pool_server.client
+    base_a, base_b = text_of(c, 500, 6), text_of(c, 500, 7)
+
+    # reference: the two sharers alone over pool A
+    for s in range(4):
+        c.request("POST", f"/slots/{s}?action=erase")
+    prime(c, base_a)
+    calm = _sharers(pool_server, base_a, None)
+    assert [r["shared_prefix"]["status"] for r in calm] == ["hit", "hit"]
+
+    # again, and re-prime the pool with B while both are generating
+    for s in (1, 2):
+        c.request("POST", f"/slots/{s}?action=erase")
+    go = threading.Event()
+    reprimed: dict[str, Any] = {}
+
+    def reprime() -> None:
+        go.wait(120)
+        reprimed.update(c.completion(base_b, id_slot=0, n_predict=1, **GREEDY))
+
+    t = threading.Thread(target=reprime)
+    t.start()
+    stormy = _sharers(pool_server, base_a, go)
+    t.join(300)
+
+    assert reprimed["tokens_evaluated"] == 500 and reprimed["id_slot"] == 0
+    assert [r["shared_prefix"]["status"] for r in stormy] == ["hit", "hit"]
+    for before, during in zip(calm, stormy):
+        cmp = compare_greedy(before, during)
+        assert cmp.ok, cmp.detail  # the shared cells still held A's KV while B was written
+    # the pool now serves B, and refuses A's prompts as a mismatch
+    assert share(c, base_b, QUESTIONS[0])["shared_prefix"]["status"] == "hit"
+    c.request("POST", "/slots/3?action=erase")  # a slot without A cached (else: own_cache)
+    refused = share(c, base_a, QUESTIONS[0], id_slot=3)["shared_prefix"]
+    assert refused["status"] == "mismatch" and refused["common"] < 5, refused

@@ -1,0 +1,151 @@
+"""What a pool server exposes, and to whom (docs/security.md), on the real patched llama-server.
+
+- With an API key every endpoint but /health answers 401 to a request without it (or with a wrong
+  one): completions with pool fields, /slots and its erase action, /metrics, /props, /tokenize.
+  polykv's clients and the fan-out send the key they were given.
+- /slots shows token counts and sampling parameters per slot, not prompt texts (those only with
+  LLAMA_SERVER_SLOTS_DEBUG=1 in the server's environment).
+- The key is not in polykv's log lines nor in llama-server's log; it is in the process's command line.
+- --no-slots turns /slots off; the CORS default lets any web origin read an unkeyed server's answers.
+- shared_pool_slot may name any slot: nothing is shared without the same tokens, but ``common`` tells
+  how many leading tokens matched (a prefix oracle).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+from polykv_py.client import Client
+from polykv_py.errors import HTTPError
+from polykv_py.fanout import POOL_SERVER_ARGS, Agent, BaseContext, run_fanout
+from polykv_py.server import LlamaServer
+
+pytestmark = pytest.mark.integration
+
+BASE = "Confidential plan: the launch code name is Blue Heron and the budget is 42 units.\n"
+
+
+@pytest.fixture(scope="module")
+def key() -> str:
+    return "sk-polykv-" + secrets.token_hex(12)
+
+
+@pytest.fixture(scope="module")
+def secured(patched_server_bin: Path, model_path: Path, key: str,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LlamaServer, str]]:
+    logs = tmp_path_factory.mktemp("security-logs")
+    caplog_handler = _Capture()
+    logger = logging.getLogger("polykv_py.server")
+    logger.addHandler(caplog_handler)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    args = [*POOL_SERVER_ARGS, "-np", "3", "-c", "512", "--slot-save-path", str(logs)]
+    env = {"LLAMA_SERVER_SLOTS_DEBUG": "0"}  # whatever this environment says: /slots without prompt texts
+    try:
+        with LlamaServer(patched_server_bin, model_path, args, api_key=key, threads=1, log_dir=logs, name="secured",
+                         env=env) as srv:
+            yield srv, caplog_handler.text()
+    finally:
+        logger.removeHandler(caplog_handler)
+        logger.setLevel(old_level)
+
+
+class _Capture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+
+PROTECTED: list[tuple[str, str, dict[str, Any] | None]] = [
+    ("POST", "/completion", {"prompt": BASE + "Q?", "n_predict": 1, "shared_pool_slot": 0, "shared_prefix_n_tokens": 8}),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                                      "shared_pool_slot": 0, "shared_prefix_n_tokens": 8}),
+    ("GET", "/slots", None),
+    ("POST", "/slots/0?action=erase", {}),
+    ("GET", "/metrics", None),
+    ("GET", "/props", None),
+    ("POST", "/tokenize", {"content": BASE}),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body"), PROTECTED, ids=[f"{m} {p}" for m, p, _ in PROTECTED])
+@pytest.mark.parametrize("who", ["no key", "wrong key"])
+def test_requests_without_the_key_are_401(secured: tuple[LlamaServer, str], method: str, path: str,
+                                          body: dict[str, Any] | None, who: str) -> None:
+    srv, _ = secured
+    with Client(srv.url, api_key=None if who == "no key" else "sk-wrong") as anon, pytest.raises(HTTPError) as info:
+        anon.request(method, path, body)
+    assert info.value.status == 401 and info.value.server_message == "Invalid API Key"
+    assert srv.is_alive()
+
+
+def test_the_key_holder_shares_and_the_key_stays_out_of_logs(secured: tuple[LlamaServer, str], key: str) -> None:
+    srv, polykv_log = secured
+    with Client(srv.url) as anon:
+        assert anon.health() == {"status": "ok"}  # /health stays public (readiness probes)
+    agents = [Agent("Q: what is the code name? A:", params={"n_predict": 2, "temperature": 0.0}),
+              Agent("Q: what is the budget? A:", params={"n_predict": 2, "temperature": 0.0})]
+    res = run_fanout(BaseContext.from_text(BASE), agents, server=srv)  # the server's key, passed through
+    assert [a.status for a in res.agents] == ["hit", "hit"], res.statuses
+    # /slots (key holders only) shows each slot's token count, sampling parameters and activity, not the
+    # prompt text: llama-server adds that only with LLAMA_SERVER_SLOTS_DEBUG=1 in its environment
+    slots = srv.client.slots()
+    pool = next(s for s in slots if s["id"] == 0)
+    assert pool["n_prompt_tokens"] == res.pool_tokens and "prompt" not in pool
+    assert "Blue Heron" not in json.dumps(slots)
+    assert "--api-key ***" in polykv_log and key not in polykv_log
+    assert key not in srv.log_path.read_text(errors="replace")
+    assert key in psutil.Process(srv.pid).cmdline()  # visible to local users (ps): docs/security.md
+
+
+def test_no_slots_and_the_cors_default(patched_server_bin: Path, model_path: Path, tmp_path: Path) -> None:
+    """--no-slots turns /slots off. And loopback is not private from a web browser: llama-server's CORS
+    default reflects any Origin, so a page from any site can call an unkeyed local server and read the
+    answer (--cors-origins localhost or an API key closes that; docs/security.md)."""
+    with LlamaServer(patched_server_bin, model_path, ["-c", "256", "-np", "2", "--no-slots"], threads=1, log_dir=tmp_path,
+                     name="no-slots") as srv:
+        with pytest.raises(HTTPError) as info:
+            srv.client.slots()
+        assert info.value.status == 501 and "slots endpoint" in info.value.server_message
+        with httpx.Client(base_url=srv.url, trust_env=False) as http:
+            resp = http.post("/tokenize", json={"content": "hi"}, headers={"Origin": "https://evil.example"})
+        assert resp.status_code == 200 and resp.headers["access-control-allow-origin"] == "https://evil.example"
+        assert "CORS allows all origins" in srv.log_tail(200)
+
+
+def test_any_slot_can_be_named_but_only_presented_tokens_are_shared(secured: tuple[LlamaServer, str]) -> None:
+    """shared_pool_slot may name any slot, e.g. one holding another client's conversation. Nothing is
+    shared unless the request presents the same tokens; but the answer says how many leading tokens
+    matched (``common``), which is a prefix oracle over every slot's cache (docs/security.md)."""
+    srv, _ = secured
+    c = srv.client
+    private = "User B private: my locker code is 7314 and I leave at noon."
+    c.completion(private, id_slot=2, n_predict=0, cache_prompt=True)  # client B's conversation in slot 2
+    b_tokens = c.prompt_tokens(private)
+    guess = "User B private: my locker code is 1111 and"
+    g_tokens = c.prompt_tokens(guess)
+    matched = next(i for i, (x, y) in enumerate(zip(b_tokens, g_tokens, strict=False)) if x != y)
+    c.request("POST", "/slots/1?action=erase")  # client A's slot: no cache of its own
+    res = c.completion(guess, id_slot=1, n_predict=1, shared_pool_slot=2, shared_prefix_n_tokens=len(g_tokens))
+    assert res["shared_prefix"] == {"pool_slot": 2, "requested": len(g_tokens), "shared": 0, "status": "mismatch",
+                                    "common": matched}
+    assert res["timings"]["prompt_n"] == len(g_tokens)  # computed itself: nothing of B's KV was used
+    c.request("POST", "/slots/1?action=erase")
+    same = c.completion(private + " Q:", id_slot=1, n_predict=1, shared_pool_slot=2,
+                        shared_prefix_n_tokens=len(b_tokens) - 1)
+    assert same["shared_prefix"]["status"] == "hit"  # only because it presented B's exact tokens

@@ -94,18 +94,14 @@ class LoadReport:
 
 
 def load_server(cfg: LoadConfig) -> LlamaServer:
-    """A patched server for :func:`run_load` (not started)."""
-    import tempfile
-
-    from .kvcells import KV_DEBUG_ARGS, KV_DEBUG_ENV
-    from .server import DEFAULT_THREADS
+    """A patched server for :func:`run_load` (not started): the fan-out's pool server, pool slot reserved."""
+    from .fanout import pool_server
 
     # room for the pool plus every slot's prompt and answer at once, with margin
     ctx = cfg.pool_tokens + cfg.n_slots * (cfg.suffix_tokens + cfg.n_predict + 16) + 256
-    args = ["-kvu", "--pool-slots", str(POOL), "--cache-ram", "0", "--slots", "-np", str(cfg.n_slots + 1),
-            "-c", str(ctx), "--slot-save-path", tempfile.mkdtemp(prefix="polykv-load-"), *KV_DEBUG_ARGS]
-    return LlamaServer(model=cfg.model, args=args, threads=cfg.threads or DEFAULT_THREADS,
-                       env=dict(KV_DEBUG_ENV), name="load")
+    server: LlamaServer = pool_server(model=cfg.model, n_agents_parallel=cfg.n_slots, ctx=ctx, threads=cfg.threads,
+                                      track_kv=True, name="load", pool_slot=POOL)
+    return server
 
 
 async def _erase_agents(c: AsyncClient, n_slots: int) -> None:

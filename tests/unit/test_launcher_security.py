@@ -16,13 +16,6 @@ from polykv_py.server import LlamaServer, _redact
 KEY = "sk-polykv-unit-0123456789"
 
 
-@pytest.fixture()
-def fake_model(tmp_path: Path) -> Path:
-    path = tmp_path / "fake.gguf"
-    path.write_bytes(b"GGUF" + b"\0" * 16)
-    return path
-
-
 def test_llama_server_binds_loopback_by_default(tmp_path: Path, fake_model: Path) -> None:
     srv = LlamaServer(tmp_path / "llama-server", fake_model)
     assert srv.host == "127.0.0.1" and srv.api_key is None

@@ -12,13 +12,6 @@ from polykv_py.errors import ServerError
 from polykv_py.server import LlamaServer, free_port, read_log_tail
 
 
-@pytest.fixture()
-def fake_model(tmp_path: Path) -> Path:
-    path = tmp_path / "fake.gguf"
-    path.write_bytes(b"GGUF" + b"\0" * 16)
-    return path
-
-
 def script(tmp_path: Path, body: str) -> Path:
     path = tmp_path / "fake-server"
     path.write_text("#!/bin/sh\n" + body)

@@ -10,10 +10,14 @@ server with the same flags (``-kvu -np N+1 -c C``, debug KV logging for the cell
 - ``reference_best``: the pristine server with its built-in reuse switched on
   (host prompt cache ``--cache-ram``, idle-slot caching, slot prompt similarity) and
   the base sent once before the agents, so they can reuse it;
+- ``reference_matched``: the pristine server given only the KV budget the patched server
+  needs (``P + N*(S+G)`` plus a margin): it fits ``k`` whole prompts, so it gets ``k``
+  slots and the agents queue ``k`` at a time (what the same memory buys today);
 - ``patched``: the patched server, pool slot primed, agents share the prefix;
 - ``engine``: the in-process engine (:mod:`polykv_py.engine`), in a child process.
 
-Round 2 asks the same N agents again on the same server/engine. A capacity probe
+Round 2 (and later) asks the same N agents a new question each (same base, a different
+S-token suffix) on the same server/engine, as agents working in rounds do. A capacity probe
 finds the largest N that runs at ``-c 16384``, P = 4096 without eviction or error.
 Writes ``fanout.json``, ``fanout.md`` and (with matplotlib) ``fanout.png``.
 """
@@ -46,14 +50,15 @@ from .server import LlamaServer
 
 log = logging.getLogger(__name__)
 
-SYSTEMS = ("reference", "reference_best", "patched", "engine")
+SYSTEMS = ("reference", "reference_best", "reference_matched", "patched", "engine")
 SERVER_FLAGS: dict[str, list[str]] = {
     # the patched server's flags (--no-cache-idle-slots == --no-clear-idle; no host prompt cache)
     "reference": ["--no-cache-idle-slots", "--cache-ram", "0"],
     "reference_best": ["--cache-ram", "8192", "--cache-idle-slots", "--slot-prompt-similarity", "0.1"],
+    "reference_matched": ["--no-cache-idle-slots", "--cache-ram", "0"],
     "patched": ["--no-clear-idle", "--cache-ram", "0"],
 }
-KIND = {"reference": "upstream", "reference_best": "upstream", "patched": "patched"}
+KIND = {"reference": "upstream", "reference_best": "upstream", "reference_matched": "upstream", "patched": "patched"}
 EXAMPLE_DOC = Path(__file__).resolve().parents[2] / "examples" / "design-doc.md"
 FILLER = (
     "Agents review the design of a telemetry pipeline: gateways, a replicated log, a live view and a history "
@@ -93,9 +98,9 @@ def base_text(target_tokens: int, tokenize: Any, detokenize: Any) -> str:
     return detokenize(tokenize(text)[:target_tokens])
 
 
-def suffix_text(i: int, target_tokens: int, tokenize: Any, detokenize: Any) -> str:
-    """Agent ``i``'s distinct suffix of about ``target_tokens`` tokens."""
-    head = f"\n\nReviewer {i + 1}, question {i * 7 + 3}: "
+def suffix_text(i: int, target_tokens: int, tokenize: Any, detokenize: Any, round_: int = 0) -> str:
+    """Agent ``i``'s distinct suffix of about ``target_tokens`` tokens for round ``round_``."""
+    head = f"\n\nReviewer {i + 1}, question {i * 7 + 3 + 100 * round_}: "
     text = head + FILLER * 4
     return detokenize(tokenize(text)[:target_tokens])
 
@@ -104,6 +109,16 @@ def ctx_for(n: int, p: int, s: int, g: int) -> int:
     """KV cells for N agents and the base, each with its own copy (what the reference needs)."""
     cells = (n + 1) * (p + s + g + 16)
     return -(-cells // 256) * 256
+
+
+def matched_budget(n: int, p: int, s: int, g: int) -> tuple[int, int]:
+    """(KV cells, slots) for the reference held to the patched server's budget.
+
+    The budget is the sharing bound ``P + N*(S+G+16)`` plus 64, rounded up to 256; the
+    slots are the whole prompts that fit in it side by side (at least one).
+    """
+    cells = -(-(p + n * (s + g + 16) + 64) // 256) * 256
+    return cells, max(1, min(n, cells // (p + s + g + 16)))
 
 
 # --------------------------------------------------------------------------- helpers
@@ -172,11 +187,12 @@ def start_server(system: str, n_slots: int, ctx: int, cfg: BenchConfig, extra: S
     return server.start()
 
 
-def make_inputs(server: LlamaServer, p: int, n: int, s: int) -> tuple[str, list[str]]:
+def make_inputs(server: LlamaServer, p: int, n: int, s: int, rounds: int = 1) -> tuple[str, list[list[str]]]:
+    """The base text and, per round, every agent's suffix."""
     c = server.client
     tok = c.tokenize
     detok = c.detokenize
-    return base_text(p, tok, detok), [suffix_text(i, s, tok, detok) for i in range(n)]
+    return base_text(p, tok, detok), [[suffix_text(i, s, tok, detok, r) for i in range(n)] for r in range(rounds)]
 
 
 async def _fanout_round(
@@ -195,35 +211,40 @@ async def _fanout_round(
 
 
 def run_server_cell(system: str, n: int, p: int, cfg: BenchConfig) -> dict:
-    """Both rounds of one (system, N, P) on a fresh server."""
-    ctx_cells = ctx_for(n, p, cfg.suffix, cfg.gen)
-    server = start_server(system, n + 1, ctx_cells, cfg)
+    """Every round of one (system, N, P) on a fresh server."""
+    if system == "reference_matched":
+        ctx_cells, slots = matched_budget(n, p, cfg.suffix, cfg.gen)
+        concurrency = slots
+    else:
+        ctx_cells, slots, concurrency = ctx_for(n, p, cfg.suffix, cfg.gen), n + 1, n
+    server = start_server(system, slots, ctx_cells, cfg)
     try:
-        base, suffixes = make_inputs(server, p, n, cfg.suffix)
+        base, suffixes = make_inputs(server, p, n, cfg.suffix, cfg.rounds)
         params = {"n_predict": cfg.gen, "ignore_eos": True, "temperature": 0.0}
-        agents = [Agent(sfx, name=f"a{i}", mode="completion", params=params) for i, sfx in enumerate(suffixes)]
         share = system == "patched"
 
         async def go() -> list[dict]:
             async with AsyncClient(server.url, server=server, timeout=cfg.cell_timeout) as client:
-                sc = SharedContext(client, BaseContext.from_text(base), share=share, concurrency=n)
+                sc = SharedContext(client, BaseContext.from_text(base), share=share, concurrency=concurrency)
                 kv = KVCellsLog(server.log_path)
                 rounds = []
                 for r in range(cfg.rounds):
+                    agents = [Agent(sfx, name=f"a{i}", mode="completion", params=params)
+                              for i, sfx in enumerate(suffixes[r])]
                     prime = (r == 0) and system in ("patched", "reference_best")
                     rounds.append(await _fanout_round(sc, agents, kv, server, prime))
                 return rounds
 
         rounds = asyncio.run(asyncio.wait_for(go(), cfg.cell_timeout))
-        return {"system": system, "n": n, "p": p, "ctx": ctx_cells, "server_args": server.args, "rounds": rounds,
-                "_inputs": (base, suffixes)}
+        return {"system": system, "n": n, "p": p, "ctx": ctx_cells, "slots": slots, "concurrency": concurrency,
+                "server_args": server.args, "rounds": rounds, "_inputs": (base, suffixes)}
     finally:
         server.stop()
 
 
 # --------------------------------------------------------------------------- engine cells
-def run_engine_cell(n: int, p: int, cfg: BenchConfig, base: str, suffixes: list[str]) -> dict:
-    """Both rounds in the in-process engine, in a child process (its RSS is the engine's)."""
+def run_engine_cell(n: int, p: int, cfg: BenchConfig, base: str, suffixes: list[list[str]]) -> dict:
+    """Every round in the in-process engine, in a child process (its RSS is the engine's)."""
     job = {"n": n, "p": p, "suffix": cfg.suffix, "gen": cfg.gen, "rounds": cfg.rounds, "threads": cfg.threads,
            "model": cfg.model, "base": base, "suffixes": suffixes}
     proc = subprocess.run([sys.executable, "-m", "polykv_py.benchmark", "--engine-cell", "-"], input=json.dumps(job),
@@ -244,14 +265,14 @@ def _engine_child(job: dict) -> dict:
         t_load = time.perf_counter()
         vocab = model.vocab
         p_tok = len(vocab.tokenize(job["base"]))
-        s_tok = max(len(vocab.tokenize(job["base"] + s)) for s in job["suffixes"]) - p_tok
+        s_tok = max(len(vocab.tokenize(job["base"] + s)) for sfx in job["suffixes"] for s in sfx) - p_tok
         params = SharedPrefixEngine.context_params(n, p_tok, s_tok + 2, gen)
         params = dataclasses.replace(params, n_threads=job["threads"], n_threads_batch=job["threads"])
         gp = GenerationParams(max_tokens=gen, ignore_eos=True)
         rounds = []
         with SharedPrefixEngine(model, params) as eng:
-            for _ in range(job["rounds"]):
-                res = eng.run(job["base"], job["suffixes"], gp, share=True, measure_kv=True)
+            for r in range(job["rounds"]):
+                res = eng.run(job["base"], job["suffixes"][r], gp, share=True, measure_kv=True)
                 ft = [a.timings.first_token_s for a in res.agents]
                 prompt = (0 if res.prefix_reused else len(res.prefix_tokens)) + sum(len(a.suffix_tokens)
                                                                                     for a in res.agents)
@@ -302,7 +323,7 @@ def capacity_probe(system: str, cfg: BenchConfig, deadline: float) -> dict:
     try:
         base, suffixes = make_inputs(server, p, max(candidates), cfg.suffix)
         params = {"n_predict": cfg.gen, "ignore_eos": True, "temperature": 0.0}
-        agents = [Agent(sfx, name=f"a{i}", mode="completion", params=params) for i, sfx in enumerate(suffixes)]
+        agents = [Agent(sfx, name=f"a{i}", mode="completion", params=params) for i, sfx in enumerate(suffixes[0])]
 
         async def go() -> None:
             async with AsyncClient(server.url, server=server, timeout=cfg.capacity_timeout + 60,

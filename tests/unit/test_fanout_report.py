@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from polykv_py import bench_report
-from polykv_py.benchmark import ctx_for
+from polykv_py.benchmark import ctx_for, matched_budget
 from polykv_py.kvcells import KVCellsLog, parse_used
 from polykv_py.report import fmt, ratio, table
 
@@ -50,6 +50,15 @@ def test_ctx_for_rounds_up_to_256() -> None:
     assert ctx_for(8, 2048, 64, 32) % 256 == 0 and ctx_for(8, 2048, 64, 32) >= 9 * (2048 + 96)
 
 
+def test_matched_budget_fits_whole_prompts_side_by_side() -> None:
+    cells, slots = matched_budget(8, 2048, 64, 32)
+    assert cells == 3072 and slots == 1  # P + 8*112 + 64 = 3,008 -> 3,072; one 2,160-cell prompt fits
+    cells, slots = matched_budget(16, 512, 64, 32)
+    assert cells == 2560 and slots == 4 and slots * (512 + 112) <= cells
+    assert matched_budget(1, 4096, 64, 32)[1] == 1
+    assert matched_budget(2, 16, 64, 32)[1] == 2  # never more slots than agents
+
+
 def _round(wall: float, tokens: int, kv: int) -> dict:
     return {"wall_s": wall, "prime_s": 0.0, "ttft_mean_s": 1.0, "prompt_tokens_processed": tokens,
             "prefix_tokens": 2048, "kv_cells_peak": kv, "rss_peak_mib": 200.0, "statuses": {"hit": 8},
@@ -59,12 +68,14 @@ def _round(wall: float, tokens: int, kv: int) -> dict:
 def test_bench_markdown_headline(tmp_path: Path) -> None:
     doc = {
         "config": {"ns": [8], "ps": [2048], "suffix": 64, "gen": 32, "rounds": 2,
-                   "systems": ["reference", "reference_best", "patched"], "quick": True},
+                   "systems": ["reference", "reference_best", "reference_matched", "patched"], "quick": True},
         "machine": {"cpu": "test cpu", "logical_cpus": 2, "threads_per_server": 2, "load_avg_start": [1, 1, 1]},
         "model": "/x/SmolLM2.gguf",
         "cells": [
             {"system": "reference", "n": 8, "p": 2048, "rounds": [_round(60.0, 16896, 17000), _round(30.0, 8, 17000)]},
             {"system": "reference_best", "n": 8, "p": 2048, "rounds": [_round(55.0, 15000, 17000), _round(3.0, 8, 1)]},
+            {"system": "reference_matched", "n": 8, "p": 2048, "ctx": 3072, "slots": 1,
+             "rounds": [_round(25.0, 2560, 2900), _round(7.0, 600, 2900)]},
             {"system": "patched", "n": 8, "p": 2048, "rounds": [_round(10.0, 2560, 2820), _round(1.0, 8, 2820)]},
         ],
         "capacity": [{"system": "patched", "ctx": 16384, "p": 4096, "predicted": 128, "candidates": [100],
@@ -74,6 +85,9 @@ def test_bench_markdown_headline(tmp_path: Path) -> None:
     }
     md = bench_report.markdown(doc)
     assert "6.00x faster" in md and "30.00x" in md
+    assert "same KV budget (-c 3,072, 1 slot(s), agents queued): 2.50x faster" in md
+    assert "vs the reference held to the same KV budget's round 2: 7.00x; prompt tokens 600 vs 8" in md
+    assert "| 2,048 | 8 | reference, same KV budget" in md
     assert "target P+N*S = 2,560" in md
     assert "largest N that fit = 100" in md
     assert "engine skipped" in md

@@ -132,7 +132,7 @@ async def run_load_async(server: LlamaServer, cfg: LoadConfig, progress: bool = 
     """Run the rounds against a started :func:`load_server`."""
     from .benchmark import make_inputs
 
-    base, suffixes = make_inputs(server, cfg.pool_tokens, cfg.n_agents, cfg.suffix_tokens)
+    base, (suffixes,) = make_inputs(server, cfg.pool_tokens, cfg.n_agents, cfg.suffix_tokens)
     kv = KVCellsLog(server.log_path)
     async with server.async_client(timeout=cfg.request_timeout + 30) as c:
         await c.completion(base, id_slot=POOL, n_predict=1, cache_prompt=True)

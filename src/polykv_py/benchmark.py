@@ -55,10 +55,10 @@ SERVER_FLAGS: dict[str, list[str]] = {
     # the patched server's flags (--no-cache-idle-slots == --no-clear-idle; no host prompt cache)
     "reference": ["--no-cache-idle-slots", "--cache-ram", "0"],
     "reference_best": ["--cache-ram", "8192", "--cache-idle-slots", "--slot-prompt-similarity", "0.1"],
-    "reference_matched": ["--no-cache-idle-slots", "--cache-ram", "0"],
     "patched": ["--no-clear-idle", "--cache-ram", "0"],
 }
-KIND = {"reference": "upstream", "reference_best": "upstream", "reference_matched": "upstream", "patched": "patched"}
+SERVER_FLAGS["reference_matched"] = SERVER_FLAGS["reference"]  # same server, smaller budget
+KIND = {system: "patched" if system == "patched" else "upstream" for system in SERVER_FLAGS}
 EXAMPLE_DOC = Path(__file__).resolve().parents[2] / "examples" / "design-doc.md"
 FILLER = (
     "Agents review the design of a telemetry pipeline: gateways, a replicated log, a live view and a history "
@@ -107,8 +107,11 @@ def suffix_text(i: int, target_tokens: int, tokenize: Any, detokenize: Any, roun
 
 def ctx_for(n: int, p: int, s: int, g: int) -> int:
     """KV cells for N agents and the base, each with its own copy (what the reference needs)."""
-    cells = (n + 1) * (p + s + g + 16)
-    return -(-cells // 256) * 256
+    return _round_up((n + 1) * (p + s + g + 16), 256)
+
+
+def _round_up(cells: int, step: int) -> int:
+    return -(-cells // step) * step
 
 
 def matched_budget(n: int, p: int, s: int, g: int) -> tuple[int, int]:
@@ -117,7 +120,7 @@ def matched_budget(n: int, p: int, s: int, g: int) -> tuple[int, int]:
     The budget is the sharing bound ``P + N*(S+G+16)`` plus 64, rounded up to 256; the
     slots are the whole prompts that fit in it side by side (at least one).
     """
-    cells = -(-(p + n * (s + g + 16) + 64) // 256) * 256
+    cells = _round_up(p + n * (s + g + 16) + 64, 256)
     return cells, max(1, min(n, cells // (p + s + g + 16)))
 
 

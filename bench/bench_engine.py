@@ -36,8 +36,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from polykv_py.bench_report import cpu_model
-from polykv_py.engine import GenerationParams, RunResult, SharedPrefixEngine, context_params_for
+from polykv_py.engine import EngineRunResult, GenerationParams, SharedPrefixEngine, context_params_for
+from polykv_py.harness.bench_report import cpu_model
 from polykv_py.llama import ContextParams, Model, system_info
 from polykv_py.native import build_info
 
@@ -111,7 +111,7 @@ def make_suffixes(model: Model, n: int, n_tokens: int) -> list[list[int]]:
     return out
 
 
-def _summary(res: RunResult, cells: int, cell_bytes: int) -> dict[str, Any]:
+def _summary(res: EngineRunResult, cells: int, cell_bytes: int) -> dict[str, Any]:
     return {
         "mode": res.mode,
         "wall_s": round(res.timings["wall_s"], 3),

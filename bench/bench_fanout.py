@@ -4,7 +4,7 @@
     python bench/bench_fanout.py            # full grid: N 1..16, P 512/2048/4096, all systems
     python bench/bench_fanout.py --quick    # N 1,2,4,8 at P=2048, short capacity probe
 
-See ``python bench/bench_fanout.py --help`` and :mod:`polykv_py.benchmark`.
+See ``python bench/bench_fanout.py --help`` and :mod:`polykv_py.harness.benchmark`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from polykv_py.benchmark import main
+from polykv_py.harness.benchmark import main
 
 if __name__ == "__main__":
     argv = sys.argv[1:]

@@ -21,8 +21,8 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from polykv_py.bench_report import cpu_model
-from polykv_py.loadtest import LoadConfig, LoadReport, run_load
+from polykv_py.harness.bench_report import cpu_model
+from polykv_py.harness.loadtest import LoadConfig, LoadReport, run_load
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITES = ["tests/integration/test_faults.py", "tests/integration/test_hostile_input.py",
@@ -77,7 +77,7 @@ def markdown(doc: dict) -> str:
                      f"{r['near_tie']} | {len(r['different'])} | {r['max_drift']} | {r['kv_cells_after_erase']} | "
                      f"{r['kv_cells_pool']} | {r['leak']} |")
     lines += ["", "near-tie: the answer left the serial reference's path at a token whose two best candidates were "
-              "within 0.5 log-prob in both runs, after a prefix that agreed within 1.0 (src/polykv_py/compare.py: "
+              "within 0.5 log-prob in both runs, after a prefix that agreed within 1.0 (src/polykv_py/harness/compare.py: "
               "concurrent requests sit in other KV cells and CPU attention rounds by cell order).", ""]
     suites = doc.get("suites")
     if suites:

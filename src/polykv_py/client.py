@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import httpx
 
 from .errors import HTTPError, ServerUnavailableError
+from .tokens import shared_prefix_len
 
 log = logging.getLogger(__name__)
 
@@ -228,16 +229,6 @@ _AGGREGATORS: dict[str, Callable[[list[Json]], Json]] = {
 }
 
 
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    """Length of the common prefix of two token lists."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 # ---------------------------------------------------------------------- clients
 class _Base:
     def __init__(self, base_url: str, *, api_key: str | None, server: _LogSource | None) -> None:
@@ -369,8 +360,8 @@ class Client(_Base):
         return self.tokenize(prompt, add_special=True, parse_special=True)
 
     def shared_prefix_len(self, pool_prompt: str, prompt: str) -> int:
-        """P for a sharer: the common prefix of the two *tokenized* prompts (never len(tokenize(base)))."""
-        return common_prefix_len(self.prompt_tokens(pool_prompt), self.prompt_tokens(prompt))
+        """P for a sharer of ``pool_prompt`` (:func:`polykv_py.tokens.shared_prefix_len` of the tokenized prompts)."""
+        return shared_prefix_len(self.prompt_tokens(pool_prompt), self.prompt_tokens(prompt))
 
     def completion(
         self,
@@ -575,8 +566,8 @@ class AsyncClient(_Base):
         return await self.tokenize(prompt, add_special=True, parse_special=True)
 
     async def shared_prefix_len(self, pool_prompt: str, prompt: str) -> int:
-        """P for a sharer: the common prefix of the two tokenized prompts."""
-        return common_prefix_len(await self.prompt_tokens(pool_prompt), await self.prompt_tokens(prompt))
+        """P for a sharer of ``pool_prompt`` (:func:`polykv_py.tokens.shared_prefix_len` of the tokenized prompts)."""
+        return shared_prefix_len(await self.prompt_tokens(pool_prompt), await self.prompt_tokens(prompt))
 
     async def completion(
         self,

@@ -23,12 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
 from .engine_types import (
-    AgentResult,
-    AgentTimings,
     GenerationParams,
-    Mode,
-    RunResult,
-    StopReason,
     Tokenization,
     context_params_for,
     find_stop,
@@ -40,6 +35,7 @@ from .llama.batch import Batch
 from .llama.context import Context
 from .llama.params import ContextParams
 from .llama.sampler import Sampler
+from .results import AgentTimings, EngineAgentResult, EngineMode, EngineRunResult, StopReason
 
 if TYPE_CHECKING:
     import os
@@ -53,10 +49,10 @@ PREFIX_SEQ = 0
 
 __all__ = [
     "PREFIX_SEQ",
-    "AgentResult",
     "AgentTimings",
+    "EngineAgentResult",
+    "EngineRunResult",
     "GenerationParams",
-    "RunResult",
     "SharedPrefixEngine",
     "context_params_for",
 ]
@@ -131,7 +127,7 @@ class SharedPrefixEngine:
         return self.ctx.n_seq_max - 1
 
     @property
-    def mode(self) -> Mode:
+    def mode(self) -> EngineMode:
         """``"shared"`` with unified KV (no copy), ``"copied"`` without (whole-sequence copies)."""
         return "shared" if self.ctx.kv_unified else "copied"
 
@@ -234,7 +230,7 @@ class SharedPrefixEngine:
         share: bool = True,
         tokenization: Tokenization = "joint",
         measure_kv: bool = False,
-    ) -> RunResult:
+    ) -> EngineRunResult:
         """Run one agent per suffix. ``share=False`` is the baseline: every agent decodes the
         whole prompt into its own sequence (memory is cleared first)."""
         gp = params or GenerationParams()
@@ -278,8 +274,8 @@ class SharedPrefixEngine:
         finally:
             for a in agents:
                 a.sampler.close()
-        mode: Mode = self.mode if share else "unshared"
-        return RunResult(
+        mode: EngineMode = self.mode if share else "unshared"
+        return EngineRunResult(
             mode=mode,
             agents=[self._result(a) for a in agents],
             prefix_tokens=pre,
@@ -296,7 +292,7 @@ class SharedPrefixEngine:
         *,
         agent_index: int = 0,
         split_at: int | None = None,
-    ) -> AgentResult:
+    ) -> EngineAgentResult:
         """One agent from scratch: clear the memory, decode ``prompt_tokens`` into sequence 0, generate.
 
         ``split_at=k`` decodes the first ``k`` tokens and the rest in separate calls (as a
@@ -395,8 +391,8 @@ class SharedPrefixEngine:
             a.stop_reason, a.finishing = "length", True
 
     @staticmethod
-    def _result(a: _Agent) -> AgentResult:
-        return AgentResult(
+    def _result(a: _Agent) -> EngineAgentResult:
+        return EngineAgentResult(
             index=a.index,
             seq_id=a.seq_id,
             prompt_tokens=a.prompt,

@@ -7,10 +7,9 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from .llama.params import ContextParams, SamplingParams
+from .tokens import longest_common_prefix
 
 Tokenization = Literal["joint", "separate"]
-Mode = Literal["shared", "copied", "unshared"]
-StopReason = Literal["eos", "length", "stop"]
 
 
 @dataclass(frozen=True)
@@ -33,56 +32,6 @@ class GenerationParams:
             raise ValueError("stop must be a tuple of non-empty strings")
 
 
-@dataclass
-class AgentTimings:
-    """Seconds, measured from the start of the run."""
-
-    suffix_s: float = 0.0  # wall time of the decode calls that carried this agent's prompt tokens
-    first_token_s: float = 0.0  # until the agent's first token was sampled
-    total_s: float = 0.0  # until the agent stopped
-
-
-@dataclass
-class AgentResult:
-    """One agent's outcome."""
-
-    index: int
-    seq_id: int
-    prompt_tokens: list[int]  # everything the agent's sequence was conditioned on (prefix + suffix)
-    suffix_tokens: list[int]  # the tokens this agent decoded itself before generating
-    tokens: list[int]  # generated tokens (an end-of-generation token is not included)
-    text: str  # detokenized tokens, cut before the first stop string
-    stop_reason: StopReason
-    tokens_processed: int  # tokens this agent itself put through llama_decode
-    timings: AgentTimings
-
-
-@dataclass
-class RunResult:
-    """A whole run: per-agent results plus totals."""
-
-    mode: Mode
-    agents: list[AgentResult]
-    prefix_tokens: list[int]
-    prefix_reused: bool
-    tokens_processed: int  # every token put through llama_decode in this run
-    timings: dict[str, float]  # prefix_s, share_s, suffix_s, generate_s, wall_s
-    kv_cells: dict[str, int] | None = None  # after_prefix, [after_share], after_suffixes, final
-
-
-def common_prefix_len(lists: Sequence[Sequence[int]]) -> int:
-    """Length of the longest run of leading tokens every list shares."""
-    if not lists:
-        return 0
-    n = min(len(x) for x in lists)
-    first = lists[0]
-    for i in range(n):
-        t = first[i]
-        if any(x[i] != t for x in lists[1:]):
-            return i
-    return n
-
-
 def split_joint(prefix_alone: Sequence[int], fulls: Sequence[Sequence[int]]) -> tuple[list[int], list[list[int]]]:
     """Split jointly tokenized prompts into a shared prefix and per-agent suffixes.
 
@@ -91,7 +40,7 @@ def split_joint(prefix_alone: Sequence[int], fulls: Sequence[Sequence[int]]) -> 
     """
     if not fulls:
         raise ValueError("no prompts")
-    p = min(common_prefix_len(fulls), len(prefix_alone), min(len(f) for f in fulls) - 1)
+    p = min(longest_common_prefix(fulls), len(prefix_alone), min(len(f) for f in fulls) - 1)
     p = max(p, 0)
     return list(fulls[0][:p]), [list(f[p:]) for f in fulls]
 

@@ -22,30 +22,29 @@ or synchronously: ``run_fanout(base, agents, server=url_or_LlamaServer)``.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Self
+from typing import Any, Self
 
-from .client import DEFAULT_TIMEOUT, AsyncClient, aggregate_completion, aggregate_oai, common_prefix_len
+from .client import DEFAULT_TIMEOUT, AsyncClient, aggregate_completion, aggregate_oai
 from .errors import PolykvError, ServerUnavailableError
+from .results import (
+    ERROR,
+    NOT_SHARED,
+    REPRIME_STATUSES,
+    AgentResult,
+    FanoutResult,
+    Mode,
+    PrimeResult,
+)
+from .tokens import shared_prefix_len
 
 log = logging.getLogger(__name__)
 
-Mode = Literal["completion", "chat"]
 Json = dict[str, Any]
 
-#: Share statuses after which the agent's prefix KV was not recomputed.
-REUSED_STATUSES = frozenset({"hit", "copied", "own_cache", "self"})
-#: Share statuses that mean the pool no longer holds the base: re-prime.
-REPRIME_STATUSES = frozenset({"not_resident", "mismatch"})
-#: Status recorded for an agent that was sent without sharing fields.
-NOT_SHARED = "not_shared"
-#: Status recorded for an agent whose request failed.
-ERROR = "error"
 
 
 class FanoutError(PolykvError):
@@ -130,128 +129,10 @@ class Agent:
         return base.text + self.instructions
 
 
-# --------------------------------------------------------------------------- results
-@dataclass
-class PrimeResult:
-    """One priming of the pool slot."""
-
-    generation: int
-    n_tokens: int
-    processed: int  # prompt tokens the server actually computed for it
-    wall_s: float
-    reason: str
-
-
-@dataclass
-class AgentResult:
-    """One agent's answer and what it cost."""
-
-    index: int
-    name: str
-    mode: Mode
-    text: str
-    status: str  # the server's shared_prefix.status, or "not_shared"
-    requested: int  # P sent
-    shared: int  # tokens whose KV came from the pool (server's count)
-    n_prompt: int  # tokens of the full prompt
-    processed: int  # prompt tokens computed for this agent (timings.prompt_n)
-    cached: int  # prompt tokens taken from a cache or the pool (timings.cache_n)
-    n_generated: int
-    ttft_s: float | None  # request sent -> first generated text
-    latency_s: float  # request sent -> answer complete
-    started_s: float  # since the fan-out began
-    finished_s: float
-    finish_reason: str | None
-    id_slot: int | None
-    timings: Json = field(default_factory=dict)
-    shared_prefix: Json | None = None
-    error: str | None = None  # set (with status "error") when the request failed
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-    @property
-    def prefix_reused(self) -> bool:
-        """True when the agent's prefix KV was not recomputed (pool hit or own cache)."""
-        return self.status in REUSED_STATUSES
-
-
-@dataclass
-class FanoutResult:
-    """Everything a fan-out did."""
-
-    agents: list[AgentResult]
-    primes: list[PrimeResult]
-    pool_slot: int | None
-    pool_tokens: int  # tokens of the templated base held by the pool
-    wall_s: float  # priming (if any) + all agents
-    shared: bool
-    kv_cells_peak: int | None = None
-    kv_cells_method: str | None = None
-
-    @property
-    def statuses(self) -> dict[str, int]:
-        return dict(Counter(a.status for a in self.agents))
-
-    @property
-    def prefix_tokens(self) -> int:
-        """The largest P any agent was given (0 without sharing)."""
-        return max((a.requested for a in self.agents), default=0)
-
-    @property
-    def tokens_processed(self) -> int:
-        """Prompt tokens the server computed: priming plus every agent."""
-        return sum(p.processed for p in self.primes) + sum(a.processed for a in self.agents)
-
-    @property
-    def tokens_without_sharing(self) -> int:
-        """Prompt tokens a server without any reuse would compute: every agent's whole prompt."""
-        return sum(a.n_prompt for a in self.agents)
-
-    @property
-    def kv_cells_without_sharing(self) -> int:
-        """KV cells needed to keep all agents resident without sharing (their prompts and answers)."""
-        return sum(a.n_prompt + a.n_generated for a in self.agents)
-
-    @property
-    def kv_cells_with_sharing(self) -> int:
-        """The same with the prefix held once: the pool plus every agent's cells beyond its P (a model)."""
-        own = sum(a.n_prompt - a.requested + a.n_generated for a in self.agents)
-        return (self.pool_tokens if self.shared else 0) + own
-
-    def to_json(self) -> Json:
-        """A JSON-ready dict (agents, primes and the summary numbers)."""
-        return {
-            "shared": self.shared,
-            "pool_slot": self.pool_slot,
-            "pool_tokens": self.pool_tokens,
-            "prefix_tokens": self.prefix_tokens,
-            "wall_s": round(self.wall_s, 3),
-            "tokens_processed": self.tokens_processed,
-            "tokens_without_sharing": self.tokens_without_sharing,
-            "kv_cells_peak": self.kv_cells_peak,
-            "kv_cells_method": self.kv_cells_method,
-            "kv_cells_with_sharing_model": self.kv_cells_with_sharing,
-            "kv_cells_without_sharing_model": self.kv_cells_without_sharing,
-            "statuses": self.statuses,
-            "primes": [dataclasses.asdict(p) for p in self.primes],
-            "agents": [dataclasses.asdict(a) for a in self.agents],
-        }
-
-
 ProgressCallback = Callable[[str, Any], None]
 
 
 # --------------------------------------------------------------------------- logic
-def shared_prefix_len(pool_tokens: Sequence[int], prompt_tokens: Sequence[int]) -> int:
-    """P for one agent: the verified common prefix of the tokenized prompts.
-
-    At most ``len(prompt_tokens) - 1``: the server must compute at least one token.
-    """
-    return max(0, min(common_prefix_len(list(pool_tokens), list(prompt_tokens)), len(prompt_tokens) - 1))
-
-
 def parse_stream(chunks: Sequence[Json], mode: Mode) -> Json:
     """The final answer of a streamed request, aggregated from its chunks."""
     if mode == "chat":
@@ -686,50 +567,3 @@ def run_fanout(
             return await ctx.run(agents)
 
     return asyncio.run(main())
-
-
-
-# --------------------------------------------------------------------------- managed server
-#: Flags a pool server needs: unified KV (sharing without copies), idle slots kept resident, /slots, and
-#: no host prompt cache: with it, a slot restores an agent's old prompt from RAM as a private copy of the
-#: prefix (status own_cache, P more cells) instead of sharing the pool's cells.
-POOL_SERVER_ARGS = ("-kvu", "--no-clear-idle", "--cache-ram", "0", "--slots")
-
-
-def pool_server(
-    *,
-    model: str | None = None,
-    n_agents_parallel: int = 8,
-    ctx: int = 16384,
-    threads: int | None = None,
-    kind: Literal["patched", "upstream"] = "patched",
-    extra_args: Sequence[str] = (),
-    track_kv: bool = True,
-    name: str = "polykv-pool",
-    pool_slot: int = 0,
-) -> Any:
-    """A (not yet started) :class:`~polykv_py.server.LlamaServer` set up for a fan-out.
-
-    ``n_agents_parallel`` agent slots plus the pool slot ``pool_slot`` (reserved with
-    ``--pool-slots`` on the patched server), ``ctx`` KV cells in all (unified), and with ``track_kv`` the debug logging :mod:`polykv_py.kvcells` reads.
-    """
-    import tempfile
-
-    from .kvcells import KV_DEBUG_ARGS, KV_DEBUG_ENV
-    from .server import DEFAULT_THREADS, LlamaServer
-
-    # --slot-save-path only enables the /slots actions (erase is used to empty slots between runs)
-    slot_dir = tempfile.mkdtemp(prefix="polykv-slots-")
-    args: list[str] = [*POOL_SERVER_ARGS, "-np", str(n_agents_parallel + 1), "-c", str(ctx), "--slot-save-path", slot_dir]
-    if kind == "patched":  # reserve the pool slot (patch 0073): only pinned requests run there, never purged
-        args += ["--pool-slots", str(pool_slot)]
-    if track_kv:
-        args += KV_DEBUG_ARGS
-    return LlamaServer(
-        model=model,
-        kind=kind,
-        args=[*args, *extra_args],
-        threads=threads or DEFAULT_THREADS,
-        env=dict(KV_DEBUG_ENV) if track_kv else None,
-        name=name,
-    )

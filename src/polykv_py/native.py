@@ -10,28 +10,41 @@ from __future__ import annotations
 
 import json
 import os
+from enum import StrEnum
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from .errors import BuildError
 
 NATIVE_DIR = Path(__file__).resolve().parent / "_native"
 
-ServerKind = Literal["patched", "upstream"]
 
-_BINARIES: dict[str, tuple[str, str]] = {
-    "patched": ("llama-server", "POLYKV_SERVER_BIN"),
-    "upstream": ("llama-server-upstream", "POLYKV_UPSTREAM_SERVER_BIN"),
+
+class ServerKind(StrEnum):
+    """Which llama-server: polykv's patched build, or the reference built from the pristine sources."""
+
+    PATCHED = "patched"
+    UPSTREAM = "upstream"
+
+    @classmethod
+    def of(cls, kind: ServerKind | str) -> ServerKind:
+        """``kind`` as a member (a plain string is accepted); a clear ValueError for anything else."""
+        try:
+            return cls(kind)
+        except ValueError:
+            raise ValueError(f"server kind must be one of {[k.value for k in cls]}, not {kind!r}") from None
+
+
+_BINARIES: dict[ServerKind, tuple[str, str]] = {
+    ServerKind.PATCHED: ("llama-server", "POLYKV_SERVER_BIN"),
+    ServerKind.UPSTREAM: ("llama-server-upstream", "POLYKV_UPSTREAM_SERVER_BIN"),
 }
 
 
-def server_binary(kind: ServerKind = "patched") -> Path:
-    """Path of the patched (``"patched"``) or reference (``"upstream"``) llama-server."""
-    try:
-        name, env = _BINARIES[kind]
-    except KeyError:
-        raise ValueError(f"server kind must be one of {sorted(_BINARIES)}, not {kind!r}") from None
+def server_binary(kind: ServerKind | str = ServerKind.PATCHED) -> Path:
+    """Path of the patched or the reference (``upstream``) llama-server."""
+    name, env = _BINARIES[ServerKind.of(kind)]
     override = os.environ.get(env)
     path = Path(override) if override else NATIVE_DIR / "bin" / name
     if not path.is_file() or not os.access(path, os.X_OK):

@@ -156,7 +156,7 @@ class LlamaServer:
         model: str | os.PathLike[str] | None = None,
         args: Sequence[str | int | float] = (),
         *,
-        kind: ServerKind = "patched",
+        kind: ServerKind | str = ServerKind.PATCHED,
         host: str = "127.0.0.1",
         port: int | None = None,
         threads: int = DEFAULT_THREADS,
@@ -168,11 +168,11 @@ class LlamaServer:
         start_timeout: float = DEFAULT_START_TIMEOUT,
         die_with_parent: bool | None = None,
     ) -> None:
-        self.kind = kind
+        self.kind = kind = ServerKind.of(kind)
         self.binary = Path(binary) if binary is not None else server_binary(kind)
         self.model = resolve_model(model)
         self.args = [str(a) for a in args]
-        if kind == "upstream" and any(a.split("=", 1)[0] == "--pool-slots" for a in self.args):
+        if kind is ServerKind.UPSTREAM and any(a.split("=", 1)[0] == "--pool-slots" for a in self.args):
             # libllama-common is shared, so the reference binary would parse the flag and silently ignore it
             raise ServerError("--pool-slots is polykv's option (patch 0073): the reference server ignores it")
         self.host = host
@@ -180,7 +180,7 @@ class LlamaServer:
         self.threads = threads
         self.api_key = api_key
         self.metrics = metrics
-        self.name = name or kind
+        self.name = name or kind.value
         self.start_timeout = start_timeout
         self._extra_env = dict(env or {})
         self._die_with_parent = die_with_parent

@@ -11,21 +11,24 @@ from typing import Any
 
 import pytest
 
-from polykv_py.client import AsyncClient, common_prefix_len
-from polykv_py.fanout import Agent, BaseContext, FanoutResult, SharedContext, pool_server
-from polykv_py.kvcells import KVCellsLog
+from polykv_py.client import AsyncClient
+from polykv_py.data import sample_document
+from polykv_py.fanout import Agent, BaseContext, SharedContext
+from polykv_py.harness.kvcells import KVCellsLog
+from polykv_py.presets import pool_server
+from polykv_py.results import FanoutResult
 from polykv_py.server import LlamaServer
+from polykv_py.tokens import common_prefix_len
 
 pytestmark = pytest.mark.integration
 
-DOC = Path(__file__).resolve().parents[2] / "examples" / "design-doc.md"
 N_PREDICT = 12
 QUESTIONS = ["What does Lanternfish replace?", "How many bikes does the fleet have?", "Name one goal."]
 
 
 def base_text() -> str:
     # ends with a blank line: alone, "\n\n" is one token; followed by an agent's text it is two
-    text = "\n".join(DOC.read_text(encoding="utf-8").splitlines()[:24])
+    text = "\n".join(sample_document().splitlines()[:24])
     return text.rstrip("\n") + "\n\n"
 
 

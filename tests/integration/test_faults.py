@@ -34,7 +34,9 @@ import pytest
 
 from polykv_py.client import AsyncClient
 from polykv_py.errors import ServerUnavailableError
-from polykv_py.fanout import Agent, BaseContext, FanoutResult, SharedContext, pool_server
+from polykv_py.fanout import Agent, BaseContext, SharedContext
+from polykv_py.presets import pool_server
+from polykv_py.results import FanoutResult
 
 pytestmark = pytest.mark.integration
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from polykv_py.gate import GateConfig, main, run_gate
+from polykv_py.harness.gate import GateConfig, main, run_gate
 
 pytestmark = pytest.mark.integration
 

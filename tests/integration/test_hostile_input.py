@@ -43,9 +43,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from polykv_py.client import Client, common_prefix_len, error_message
+from polykv_py.client import Client, error_message
 from polykv_py.errors import PolykvError
 from polykv_py.server import LlamaServer
+from polykv_py.tokens import common_prefix_len
 
 pytestmark = pytest.mark.integration
 

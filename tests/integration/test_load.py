@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from polykv_py.loadtest import LoadConfig, run_load
+from polykv_py.harness.loadtest import LoadConfig, run_load
 
 pytestmark = pytest.mark.integration
 

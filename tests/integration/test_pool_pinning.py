@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from polykv_py.client import Client, aggregate_completion
-from polykv_py.compare import compare_greedy
 from polykv_py.errors import ServerError
+from polykv_py.harness.compare import compare_greedy
 from polykv_py.server import LlamaServer
 
 pytestmark = pytest.mark.integration

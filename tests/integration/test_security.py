@@ -26,7 +26,8 @@ import pytest
 
 from polykv_py.client import Client
 from polykv_py.errors import HTTPError
-from polykv_py.fanout import POOL_SERVER_ARGS, Agent, BaseContext, run_fanout
+from polykv_py.fanout import Agent, BaseContext, run_fanout
+from polykv_py.presets import POOL_SERVER_ARGS
 from polykv_py.server import LlamaServer
 
 pytestmark = pytest.mark.integration

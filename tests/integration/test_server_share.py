@@ -2,7 +2,7 @@
 
 Every share must be exact or refused:
 - a hit is byte-identical (text and log-probabilities) to the reference server answering the
-  same request from its own cache after the same priming request (design.md trap 2), and
+  same request from its own cache after the same priming request (docs/design-notes.md, trap 2), and
   the KV cell layout is the same in both (P equals the pool's token count, see
   docs/shared-prefix.md "Exactness");
 - every refusal leaves the request on the upstream path, so it answers like the reference;
@@ -202,7 +202,7 @@ def test_pool_longer_than_p_and_fan_out(pc: Client) -> None:
 
 
 def test_p_from_tokenized_base_alone_is_refused(pc: Client, rc: Client) -> None:
-    """design.md trap 1: len(tokenize(base)) is one token too many at a "\\n\\n" boundary."""
+    """docs/design-notes.md, trap 1: len(tokenize(base)) is one token too many at a "\\n\\n" boundary."""
     prompt = BASE_NN + QUESTIONS[0].lstrip("\n")
     wrong_p = len(pc.prompt_tokens(BASE_NN))
     right_p = pc.shared_prefix_len(BASE_NN, prompt)

@@ -32,7 +32,7 @@ def test_build_info_record() -> None:
     assert info["upstream_commit"] == PIN["upstream_commit"]
     assert info["patches"] == [p.name for p in patchtool.patch_files()]
     assert "CPU" in info["backends"]
-    assert "NATIVE" not in info["cpu_flags"], "the default build must not use -march=native (SIGILL, design.md)"
+    assert "NATIVE" not in info["cpu_flags"], "the default build must not use -march=native (SIGILL, docs/design-notes.md)"
     assert not any(f.startswith("AMX") for f in info["cpu_flags"]) or "AMX" in info["cpu_flags_source"]
 
 

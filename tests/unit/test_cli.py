@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from polykv_py import cli, gate
+from polykv_py.cli import app as cli
+from polykv_py.harness import gate
+from polykv_py.presets import SERVE_DEFAULTS
 
 
 def test_gate_options_reach_the_gate(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -16,8 +18,8 @@ def test_gate_options_reach_the_gate(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_serve_defaults_keep_the_pool_resident() -> None:
     for flag in ("-kvu", "--no-clear-idle"):
-        assert flag in cli.SERVE_DEFAULTS
-    assert cli.SERVE_DEFAULTS[cli.SERVE_DEFAULTS.index("--cache-ram") + 1] == "0"
+        assert flag in SERVE_DEFAULTS
+    assert SERVE_DEFAULTS[SERVE_DEFAULTS.index("--cache-ram") + 1] == "0"
 
 
 def test_unknown_command_is_a_usage_error() -> None:

@@ -12,11 +12,11 @@ from polykv_py.client import (
     SSEDecoder,
     aggregate_completion,
     aggregate_oai,
-    common_prefix_len,
     error_message,
     parse_metrics,
     parse_sse,
 )
+from polykv_py.tokens import common_prefix_len
 
 
 def sse(*events: object, done: bool = False) -> list[str]:

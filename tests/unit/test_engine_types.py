@@ -6,20 +6,20 @@ import pytest
 
 from polykv_py.engine_types import (
     GenerationParams,
-    common_prefix_len,
     context_params_for,
     find_stop,
     needed_cells,
     split_joint,
 )
 from polykv_py.llama.params import ContextParams, SamplingParams
+from polykv_py.tokens import longest_common_prefix
 
 
-def test_common_prefix_len() -> None:
-    assert common_prefix_len([]) == 0
-    assert common_prefix_len([[1, 2, 3]]) == 3
-    assert common_prefix_len([[1, 2, 3], [1, 2, 4], [1, 2]]) == 2
-    assert common_prefix_len([[5], [6]]) == 0
+def test_longest_common_prefix() -> None:
+    assert longest_common_prefix([]) == 0
+    assert longest_common_prefix([[1, 2, 3]]) == 3
+    assert longest_common_prefix([[1, 2, 3], [1, 2, 4], [1, 2]]) == 2
+    assert longest_common_prefix([[5], [6]]) == 0
 
 
 def test_split_joint_handles_the_bpe_boundary() -> None:

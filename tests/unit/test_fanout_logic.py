@@ -8,19 +8,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from polykv_py.cli_fanout import finalize_agents, parse_agents
+from polykv_py.cli.fanout import finalize_agents, parse_agents
 from polykv_py.fanout import (
     Agent,
-    AgentResult,
     BaseContext,
     FanoutError,
-    FanoutResult,
-    PrimeResult,
     answer_text,
     chunk_has_text,
     needs_reprime,
-    shared_prefix_len,
 )
+from polykv_py.results import AgentResult, FanoutResult, PrimeResult
+from polykv_py.tokens import shared_prefix_len
 
 
 # ---------------------------------------------------------------- P
@@ -148,7 +146,7 @@ def test_fanout_result_numbers() -> None:
 def _parser():  # type: ignore[no-untyped-def]
     import argparse
 
-    from polykv_py.cli_fanout import register
+    from polykv_py.cli.fanout import register
 
     parser = argparse.ArgumentParser(prog="polykv")
     register(parser.add_subparsers(dest="command", required=True))
@@ -156,7 +154,7 @@ def _parser():  # type: ignore[no-untyped-def]
 
 
 def test_register_adds_run_and_bench(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from polykv_py.cli_fanout import _collect_agents
+    from polykv_py.cli.fanout import _collect_agents
 
     agents_file = tmp_path / "agents.txt"
     agents_file.write_text("# c\nOne?\nTwo?\n")
@@ -170,7 +168,7 @@ def test_register_adds_run_and_bench(tmp_path) -> None:  # type: ignore[no-untyp
 
 
 def test_bench_quick_config() -> None:
-    from polykv_py.benchmark import parse_args
+    from polykv_py.harness.benchmark import parse_args
 
     cfg = parse_args(["--quick", "--out", "x"])
     assert cfg is not None and sorted(cfg.ns) == [1, 2, 4, 8] and cfg.ps == [2048] and cfg.capacity

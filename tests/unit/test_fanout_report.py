@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from polykv_py import bench_report
-from polykv_py.benchmark import ctx_for, matched_budget
-from polykv_py.kvcells import KVCellsLog, parse_used
-from polykv_py.report import fmt, ratio, table
+from polykv_py.harness import bench_report
+from polykv_py.harness.benchmark import ctx_for, matched_budget
+from polykv_py.harness.kvcells import KVCellsLog, parse_used
+from polykv_py.harness.report import fmt, ratio, table
 
 LINE = "0.27.638.272 D find_slot: stream[{s}], n = {n:5d}, used = {u:5d}, head = {n:5d}, size =  4096, n_swa = 0\n"
 

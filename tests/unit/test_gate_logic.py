@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from polykv_py.gate import (
+from polykv_py.harness.gate import (
     SHARE_FIELDS,
     VOLATILE_FIELDS,
     Sharer,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from polykv_py import cli
+from polykv_py.cli import app as cli
 from polykv_py.errors import ServerError
 from polykv_py.server import LlamaServer, _redact
 

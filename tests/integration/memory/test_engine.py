@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 from memory_data import PREFIX_TEXT, SUFFIXES, THREADS
 
-from polykv_py.engine import GenerationParams, RunResult, SharedPrefixEngine
+from polykv_py.engine import EngineRunResult, GenerationParams, SharedPrefixEngine
 from polykv_py.errors import ContextFullError, SequenceError, TokenError
 from polykv_py.llama import Batch, ContextParams, Model, SamplingParams
 
@@ -54,7 +54,7 @@ def test_first_token_logits_bitwise_equal(
             assert j is not None and ctx.logits(j) == shared[i]
 
 
-def _expected_processed(res: RunResult, n_prefix: int) -> int:
+def _expected_processed(res: EngineRunResult, n_prefix: int) -> int:
     return n_prefix + sum(len(a.suffix_tokens) + len(a.tokens) for a in res.agents)
 
 

@@ -35,11 +35,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .client import AsyncClient, Client, aggregate_completion, aggregate_oai, common_prefix_len
-from .errors import PolykvError
-from .models import resolve_model
-from .native import ServerKind, server_binary
-from .server import LlamaServer
+from ..client import AsyncClient, Client, aggregate_completion, aggregate_oai
+from ..errors import PolykvError
+from ..models import resolve_model
+from ..native import ServerKind, server_binary
+from ..server import LlamaServer
+from ..tokens import common_prefix_len
 
 log = logging.getLogger(__name__)
 

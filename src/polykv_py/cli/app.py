@@ -9,18 +9,16 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from .errors import PolykvError
+from ..errors import PolykvError
+from ..presets import SERVE_DEFAULTS
 
 log = logging.getLogger("polykv")
 
 #: Flags `polykv serve` adds unless the user passes their own after `--`.
-SERVE_DEFAULTS = ["-kvu", "--no-clear-idle", "--cache-ram", "0", "--pool-slots", "0", "-np", "8", "-c", "32768",
-                  "-t", str(min(os.cpu_count() or 2, 8)),
-                  "--metrics", "--slots"]
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    from .native import build_info, server_binary
+    from ..native import build_info, server_binary
 
     info = dict(build_info())
     for kind in ("patched", "upstream"):
@@ -33,7 +31,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_fetch_model(args: argparse.Namespace) -> int:
-    from .models import default_model_path
+    from ..models import default_model_path
 
     print(default_model_path())
     return 0
@@ -52,9 +50,9 @@ def _is_loopback(host: str) -> bool:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from .models import resolve_model
-    from .native import server_binary
-    from .server import _redact
+    from ..models import resolve_model
+    from ..native import server_binary
+    from ..server import _redact
 
     binary = server_binary("upstream" if args.upstream else "patched")
     extra = list(args.server_args)
@@ -78,7 +76,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_gate(args: argparse.Namespace) -> int:
-    from . import gate
+    from ..harness import gate
 
     return gate.run_from_args(args)
 
@@ -105,14 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("server_args", nargs=argparse.REMAINDER, help="more llama-server flags, after --")
     p.set_defaults(func=_cmd_serve)
 
-    from . import gate
+    from ..harness import gate
 
     p = sub.add_parser("gate", help="prove the patched server safe: default output, share hit, fallback miss",
                        description=gate.__doc__.split("\n\n")[0])
     gate.add_arguments(p)
     p.set_defaults(func=_cmd_gate)
 
-    from .cli_fanout import register as register_fanout
+    from .fanout import register as register_fanout
 
     register_fanout(sub)  # `polykv run` (the main job) and `polykv bench`
     return parser

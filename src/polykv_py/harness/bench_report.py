@@ -1,4 +1,4 @@
-"""Markdown and PNG rendering of a fan-out benchmark document (see :mod:`polykv_py.benchmark`)."""
+"""Markdown and PNG rendering of a fan-out benchmark document (see :mod:`polykv_py.harness.benchmark`)."""
 
 from __future__ import annotations
 

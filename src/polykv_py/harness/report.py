@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from statistics import mean
 from typing import Any
 
-from .fanout import FanoutResult
+from ..results import FanoutResult
 
 Cell = str | int | float | None
 

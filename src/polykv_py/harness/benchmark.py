@@ -41,12 +41,15 @@ from pathlib import Path
 from statistics import mean, median
 from typing import Any, Self
 
+from ..client import AsyncClient
+from ..data import sample_document
+from ..errors import PolykvError
+from ..fanout import Agent, BaseContext, SharedContext
+from ..presets import KV_DEBUG_ARGS, KV_DEBUG_ENV
+from ..results import FanoutResult
+from ..server import LlamaServer
 from .bench_report import cpu_model
-from .client import AsyncClient
-from .errors import PolykvError
-from .fanout import Agent, BaseContext, FanoutResult, SharedContext
-from .kvcells import KV_DEBUG_ARGS, KV_DEBUG_ENV, KV_METHOD, KVCellsLog
-from .server import LlamaServer
+from .kvcells import KV_METHOD, KVCellsLog
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +62,6 @@ SERVER_FLAGS: dict[str, list[str]] = {
 }
 SERVER_FLAGS["reference_matched"] = SERVER_FLAGS["reference"]  # same server, smaller budget
 KIND = {system: "patched" if system == "patched" else "upstream" for system in SERVER_FLAGS}
-EXAMPLE_DOC = Path(__file__).resolve().parents[2] / "examples" / "design-doc.md"
 FILLER = (
     "Agents review the design of a telemetry pipeline: gateways, a replicated log, a live view and a history "
     "store, with the failure modes, the costs and the rollout plan each of them brings along. "
@@ -90,8 +92,8 @@ class BenchConfig:
 
 # --------------------------------------------------------------------------- inputs
 def base_text(target_tokens: int, tokenize: Any, detokenize: Any) -> str:
-    """A text of about ``target_tokens`` tokens: the example document, repeated and cut."""
-    doc = EXAMPLE_DOC.read_text(encoding="utf-8") if EXAMPLE_DOC.is_file() else FILLER * 40
+    """A text of about ``target_tokens`` tokens: the sample document (package data), repeated and cut."""
+    doc = sample_document()
     text = doc
     while len(tokenize(text)) < target_tokens + 8:
         text += "\n\n" + doc
@@ -250,7 +252,7 @@ def run_engine_cell(n: int, p: int, cfg: BenchConfig, base: str, suffixes: list[
     """Every round in the in-process engine, in a child process (its RSS is the engine's)."""
     job = {"n": n, "p": p, "suffix": cfg.suffix, "gen": cfg.gen, "rounds": cfg.rounds, "threads": cfg.threads,
            "model": cfg.model, "base": base, "suffixes": suffixes}
-    proc = subprocess.run([sys.executable, "-m", "polykv_py.benchmark", "--engine-cell", "-"], input=json.dumps(job),
+    proc = subprocess.run([sys.executable, "-m", "polykv_py.harness.benchmark", "--engine-cell", "-"], input=json.dumps(job),
                           capture_output=True, text=True, timeout=cfg.cell_timeout, check=False)
     if proc.returncode != 0:
         raise PolykvError(f"engine cell failed (exit {proc.returncode}): {proc.stderr.strip()[-800:]}")
@@ -260,8 +262,8 @@ def run_engine_cell(n: int, p: int, cfg: BenchConfig, base: str, suffixes: list[
 def _engine_child(job: dict) -> dict:
     import resource
 
-    from .engine import GenerationParams, SharedPrefixEngine
-    from .llama import Model
+    from ..engine import GenerationParams, SharedPrefixEngine
+    from ..llama import Model
 
     n, gen = job["n"], job["gen"]
     with Model(job["model"]) as model:
@@ -404,8 +406,8 @@ class Bench:
 
     def run(self) -> dict:
         cfg = self.cfg
-        from .models import resolve_model
-        from .native import server_binary
+        from ..models import resolve_model
+        from ..native import server_binary
 
         model = resolve_model(cfg.model)
         self.doc = {

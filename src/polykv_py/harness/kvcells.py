@@ -17,10 +17,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-#: Environment a server needs to print its KV usage.
-KV_DEBUG_ENV = {"LLAMA_KV_CACHE_DEBUG": "1"}
-#: Server flags it needs (debug verbosity, so libllama's debug lines reach the log).
-KV_DEBUG_ARGS = ["-lv", "5"]
 #: How the numbers are obtained, for reports.
 KV_METHOD = "llama-server log with LLAMA_KV_CACHE_DEBUG=1 -lv 5: peak of find_slot 'used' (cells with >= 1 sequence)"
 

@@ -16,8 +16,9 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from .errors import PolykvError
-from .fanout import Agent, AgentResult, BaseContext, FanoutError, FanoutResult, PrimeResult, SharedContext
+from ..errors import PolykvError
+from ..fanout import Agent, BaseContext, FanoutError, SharedContext
+from ..results import AgentResult, FanoutResult, PrimeResult
 
 log = logging.getLogger("polykv.run")
 
@@ -223,7 +224,7 @@ async def _erase_slots(ctx: SharedContext) -> None:
 
 
 def _kv_method() -> str:
-    from .kvcells import KV_METHOD
+    from ..harness.kvcells import KV_METHOD
 
     return KV_METHOD
 
@@ -241,7 +242,7 @@ def _quiet_http_log() -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from . import report
+    from ..harness import report
 
     _quiet_http_log()
     base = _build_base(args)
@@ -257,8 +258,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if args.url:
             url, kv = args.url, None
         else:
-            from .fanout import pool_server
-            from .kvcells import KVCellsLog
+            from ..harness.kvcells import KVCellsLog
+            from ..presets import pool_server
 
             parallel = args.parallel or min(len(agents), DEFAULT_PARALLEL)
             server = pool_server(model=args.model, n_agents_parallel=parallel, ctx=args.ctx,
@@ -297,7 +298,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- bench
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from . import benchmark
+    from ..harness import benchmark
 
     _quiet_http_log()
     return benchmark.run_from_args(args)
@@ -343,7 +344,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
     p.set_defaults(func=_cmd_run)
 
-    from . import benchmark
+    from ..harness import benchmark
 
     p = subparsers.add_parser(
         "bench", help="benchmark the fan-out against the reference server and the in-process engine",

@@ -9,7 +9,7 @@ flight, each request bounded in time.  Every round checks:
   (status ``hit``, or ``own_cache`` when its slot still held the shared cells from an
   earlier agent of the round);
 - every answer equals its serial reference: identical, or diverging only at a near
-  tie (see :mod:`polykv_py.compare`; concurrent requests sit in other KV cells and the
+  tie (see :mod:`polykv_py.harness.compare`; concurrent requests sit in other KV cells and the
   CPU attention kernels round by cell order);
 - no KV leak: after erasing the agent slots, the cells in use are exactly the pool's.
 """
@@ -23,10 +23,10 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .client import AsyncClient
+from ..client import AsyncClient
+from ..server import LlamaServer
 from .compare import compare_greedy
 from .kvcells import KVCellsLog
-from .server import LlamaServer
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class LoadReport:
 
 def load_server(cfg: LoadConfig) -> LlamaServer:
     """A patched server for :func:`run_load` (not started): the fan-out's pool server, pool slot reserved."""
-    from .fanout import pool_server
+    from ..presets import pool_server
 
     # room for the pool plus every slot's prompt and answer at once, with margin
     ctx = cfg.pool_tokens + cfg.n_slots * (cfg.suffix_tokens + cfg.n_predict + 16) + 256

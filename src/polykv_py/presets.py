@@ -1,0 +1,95 @@
+"""Server recipes, one function each (llama.cpp's ``ServerPreset``).
+
+Every command, harness and test that starts a llama-server for polykv takes its flags
+from here, so a recipe is written once:
+
+- :func:`pool_server`: the patched server set up for a fan-out (unified KV, reserved
+  pool slot, idle slots kept resident, no host prompt cache);
+- :func:`reference_server`: the pristine server with the same flags minus polykv's own;
+- :data:`SERVE_DEFAULTS`: what ``polykv serve`` adds unless told otherwise.
+
+The returned :class:`~polykv_py.server.LlamaServer` objects are not started yet.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Sequence
+
+from .native import ServerKind
+from .server import DEFAULT_THREADS, LlamaServer
+
+#: Environment a server needs to print its KV usage (read by :mod:`polykv_py.harness.kvcells`).
+KV_DEBUG_ENV = {"LLAMA_KV_CACHE_DEBUG": "1"}
+#: Server flags it needs (debug verbosity, so libllama's debug lines reach the log).
+KV_DEBUG_ARGS = ("-lv", "5")
+
+#: The seed's name for upstream's ``--no-cache-idle-slots`` (patch 0072 adds it as an alias).
+NO_CLEAR_IDLE = "--no-clear-idle"
+#: Upstream's own name: keep idle slots resident (the reference server knows only this one).
+NO_CACHE_IDLE = "--no-cache-idle-slots"
+
+#: Flags a pool server needs: unified KV (sharing without copies), idle slots kept resident, /slots, and
+#: no host prompt cache: with it, a slot restores an agent's old prompt from RAM as a private copy of the
+#: prefix (status own_cache, P more cells) instead of sharing the pool's cells.
+POOL_SERVER_ARGS = ("-kvu", NO_CLEAR_IDLE, "--cache-ram", "0", "--slots")
+#: The same for the reference server (upstream's flag name; no pool slot to reserve).
+REFERENCE_SERVER_ARGS = ("-kvu", NO_CACHE_IDLE, "--cache-ram", "0", "--slots")
+
+#: Flags ``polykv serve`` adds unless the user passes ``--no-defaults``.
+SERVE_DEFAULTS = (
+    "-kvu", NO_CLEAR_IDLE, "--cache-ram", "0", "--pool-slots", "0", "-np", "8", "-c", "32768",
+    "-t", str(min(os.cpu_count() or 2, 8)), "--metrics", "--slots",
+)  # fmt: skip
+
+
+def pool_slot_args(pool_slots: Sequence[int]) -> list[str]:
+    """``--pool-slots`` for the given slots (patch 0073: reserved, never picked, purged or idle-cleared)."""
+    return ["--pool-slots", ",".join(str(s) for s in pool_slots)] if pool_slots else []
+
+
+def slot_actions_args() -> list[str]:
+    """``--slot-save-path`` with a fresh directory: it only enables the ``/slots`` actions (erase)."""
+    return ["--slot-save-path", tempfile.mkdtemp(prefix="polykv-slots-")]
+
+
+def kv_debug(track_kv: bool) -> tuple[list[str], dict[str, str] | None]:
+    """Flags and environment that make the server log its KV cells in use (or nothing)."""
+    return (list(KV_DEBUG_ARGS), dict(KV_DEBUG_ENV)) if track_kv else ([], None)
+
+
+def pool_server(
+    *,
+    model: str | None = None,
+    n_agents_parallel: int = 8,
+    ctx: int = 16384,
+    threads: int | None = None,
+    kind: ServerKind | str = ServerKind.PATCHED,
+    extra_args: Sequence[str] = (),
+    track_kv: bool = True,
+    name: str = "polykv-pool",
+    pool_slot: int = 0,
+) -> LlamaServer:
+    """A fan-out server: ``n_agents_parallel`` agent slots plus the pool slot ``pool_slot``.
+
+    On the patched server the pool slot is reserved with ``--pool-slots``; ``ctx`` KV cells in all
+    (unified); with ``track_kv`` the debug logging :mod:`polykv_py.harness.kvcells` reads.
+    ``kind="upstream"`` gives the reference server with the same flags (its own flag names).
+    """
+    kind = ServerKind.of(kind)
+    patched = kind is ServerKind.PATCHED
+    debug_args, env = kv_debug(track_kv)
+    args = [*(POOL_SERVER_ARGS if patched else REFERENCE_SERVER_ARGS), "-np", str(n_agents_parallel + 1),
+            "-c", str(ctx), *slot_actions_args(), *(pool_slot_args([pool_slot]) if patched else []), *debug_args]
+    return LlamaServer(model=model, kind=kind, args=[*args, *extra_args], threads=threads or DEFAULT_THREADS,
+                       env=env, name=name)
+
+
+def reference_server(*, model: str | None = None, n_slots: int = 4, ctx: int = 16384, threads: int | None = None,
+                     extra_args: Sequence[str] = (), track_kv: bool = False, name: str = "reference") -> LlamaServer:
+    """The pristine server with a pool server's flags (unified KV, idle slots resident, no host cache)."""
+    debug_args, env = kv_debug(track_kv)
+    args = [*REFERENCE_SERVER_ARGS, "-np", str(n_slots), "-c", str(ctx), *slot_actions_args(), *debug_args]
+    return LlamaServer(model=model, kind=ServerKind.UPSTREAM, args=[*args, *extra_args],
+                       threads=threads or DEFAULT_THREADS, env=env, name=name)

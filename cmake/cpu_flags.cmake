@@ -4,8 +4,7 @@
 # machines this project builds on: the CPU advertised amx_tile/amx_int8 but the
 # instruction faulted.  So on x86-64 Linux the default is GGML_NATIVE=OFF with each
 # extension enabled when BOTH the CPU (/proc/cpuinfo) and the compiler support it.
-# AMX is enabled only when a probe program that requests tile permission and runs a
-# tile multiply exits cleanly.  Any -DGGML_<FLAG>=... given by the user (for example
+# AMX stays off unless -DPOLYKV_AMX=ON (see below: it crashed on an Intel VM whose probe passed).  Any -DGGML_<FLAG>=... given by the user (for example
 # `pip install . -C cmake.define.GGML_NATIVE=ON`) wins over the probe.
 include(CheckCCompilerFlag)
 
@@ -71,10 +70,20 @@ foreach(_row IN LISTS _isa_table)
     endif()
 endforeach()
 
-# AMX: only when the CPU advertises it AND a probe that does what ggml does
-# (request XTILEDATA permission, configure tiles, run one int8 tile multiply) survives.
+# AMX: off unless asked for with -DPOLYKV_AMX=ON (then only if the CPU advertises it AND a probe
+# that does what ggml does survives: request XTILEDATA permission, configure tiles, run one int8
+# tile multiply). The probe alone is not proof: on an Intel Xeon VM (amx_tile, amx_int8 in
+# /proc/cpuinfo) it exited 0, and then ggml's AMX matmul kernel died with SIGILL on `tilezero`
+# in the first llama_decode (tile state lost between ggml's one-time tile configuration and its
+# use). A -DGGML_AMX_TILE=... given by the user still wins.
+option(POLYKV_AMX "Let ggml use AMX when the CPU has it and the probe runs (it crashed on some VMs)" OFF)
+get_property(_amx_help CACHE GGML_AMX_TILE PROPERTY HELPSTRING)
+set(_amx_ours OFF)
+if(NOT DEFINED GGML_AMX_TILE OR _amx_help MATCHES "polykv")
+    set(_amx_ours ON)
+endif()
 set(_amx_ok OFF)
-if(NOT DEFINED GGML_AMX_TILE AND "amx_tile" IN_LIST _cpu_flags AND "amx_int8" IN_LIST _cpu_flags)
+if(_amx_ours AND POLYKV_AMX AND "amx_tile" IN_LIST _cpu_flags AND "amx_int8" IN_LIST _cpu_flags)
     try_run(_amx_run _amx_compile
         SOURCES "${CMAKE_CURRENT_LIST_DIR}/amx_probe.c"
         COMPILE_DEFINITIONS -mamx-tile -mamx-int8
@@ -84,9 +93,9 @@ if(NOT DEFINED GGML_AMX_TILE AND "amx_tile" IN_LIST _cpu_flags AND "amx_int8" IN
     endif()
     message(STATUS "polykv: AMX probe compiled=${_amx_compile} exit=${_amx_run} -> AMX ${_amx_ok}")
 endif()
-if(NOT DEFINED GGML_AMX_TILE)
-    set(GGML_AMX_TILE ${_amx_ok} CACHE BOOL "ggml: enable AMX-TILE (polykv probe)")
-    set(GGML_AMX_INT8 ${_amx_ok} CACHE BOOL "ggml: enable AMX-INT8 (polykv probe)")
+if(_amx_ours)
+    set(GGML_AMX_TILE ${_amx_ok} CACHE BOOL "ggml: enable AMX-TILE (polykv: POLYKV_AMX and probe)" FORCE)
+    set(GGML_AMX_INT8 ${_amx_ok} CACHE BOOL "ggml: enable AMX-INT8 (polykv: POLYKV_AMX and probe)" FORCE)
     if(_amx_ok)
         list(APPEND _chosen AMX_TILE AMX_INT8)
     endif()

@@ -3,22 +3,28 @@
 Both clients speak the same endpoints: health, props, slots, metrics, tokenize,
 detokenize, apply-template, ``/completion``, ``/v1/completions`` and
 ``/v1/chat/completions``, each streamed (``*_stream``: the SSE chunks plus an
-aggregated final result) or not.  An error answer raises
+aggregated final result) or not, and the pool's own steps: :meth:`Client.prime`,
+:meth:`Client.share`, :meth:`Client.erase_slot`.  An error answer raises
 :class:`~polykv_py.errors.HTTPError` with the server's own message; a failed
 connection raises :class:`~polykv_py.errors.ServerUnavailableError`, carrying the
 server's log tail when the client belongs to a :class:`~polykv_py.server.LlamaServer`.
+
+Every request is built once, as a :class:`Request` (method, path, body and how to
+read the answer); :class:`Client` and :class:`AsyncClient` only send it, each method
+one line of I/O.  The sharing fields travel as one value, :class:`Share`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import functools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypedDict, TypeVar, Unpack
 
 import httpx
 
@@ -29,9 +35,19 @@ log = logging.getLogger(__name__)
 
 #: Default per-request timeout in seconds (a long prefill on 2 cores takes a while).
 DEFAULT_TIMEOUT = 600.0
+#: How long a failed request waits for the server process to report its exit (it is often exiting).
+EXIT_WAIT_S = 1.0
+EXIT_POLL_S = 0.05
 
 Json = dict[str, Any]
+#: A prompt: text, or token ids (mixed lists too, as llama-server accepts them).
+Prompt = str | list[Any]
+T = TypeVar("T")
 
+#: The generation endpoints.
+COMPLETION = "/completion"
+OAI_COMPLETION = "/v1/completions"
+CHAT = "/v1/chat/completions"
 
 #: No connection reuse. llama-server (cpp-httplib) closes kept-alive connections on its own
 #: schedule; a request sent on one it is closing fails with "Server disconnected without
@@ -46,6 +62,26 @@ class _LogSource(Protocol):
     def returncode(self) -> int | None: ...
 
     def log_tail(self, n: int = 40) -> str: ...
+
+
+@dataclass(frozen=True)
+class Share:
+    """The request fields that share a pool slot's KV: ``shared_pool_slot`` and ``shared_prefix_n_tokens``.
+
+    ``n_tokens`` is P, the common prefix of the *tokenized* pool prompt and the tokenized
+    prompt (:meth:`Client.shared_prefix_len`); None leaves the field out (the server then
+    shares nothing: status ``no_prefix``).
+    """
+
+    pool_slot: int
+    n_tokens: int | None = None
+
+    def fields(self) -> Json:
+        """The fields as they go into a request body (e.g. the OpenAI client's ``extra_body``)."""
+        out: Json = {"shared_pool_slot": self.pool_slot}
+        if self.n_tokens is not None:
+            out["shared_prefix_n_tokens"] = self.n_tokens
+        return out
 
 
 @dataclass
@@ -77,8 +113,13 @@ class SSEDecoder:
             return None
         name, _, value = line.partition(":")
         if name == "data":
-            self._data.append(value[1:] if value.startswith(" ") else value)
+            self._data.append(value.removeprefix(" "))
         return None
+
+    def events(self, raw: str) -> tuple[Json, ...]:
+        """:meth:`feed` as a tuple of the events the line completes (none or one); ``""`` ends the stream."""
+        event = self.feed(raw)
+        return () if event is None else (event,)
 
     def flush(self) -> Json | None:
         """End the current event (also call at end of stream)."""
@@ -97,21 +138,29 @@ def parse_sse(lines: Iterable[str]) -> Iterator[Json]:
     """Yield the JSON payload of each SSE event in ``lines`` (stops at ``[DONE]``)."""
     dec = SSEDecoder()
     for line in lines:
-        event = dec.feed(line)
-        if event is not None:
+        yield from dec.events(line)
+        if dec.done:
+            return
+    yield from dec.events("")
+
+
+async def aparse_sse(lines: AsyncIterable[str]) -> AsyncIterator[Json]:
+    """:func:`parse_sse` over an async line iterator (e.g. ``httpx.Response.aiter_lines()``)."""
+    dec = SSEDecoder()
+    async for line in lines:
+        for event in dec.events(line):
             yield event
         if dec.done:
             return
-    event = dec.flush()
-    if event is not None:
+    for event in dec.events(""):
         yield event
 
 
 def parse_metrics(text: str) -> dict[str, float]:
     """Parse Prometheus text exposition into ``{name or name{labels}: value}``."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        line = line.strip()
+    for raw in text.splitlines():
+        line = raw.strip()
         if not line or line.startswith("#"):
             continue
         if "}" in line:
@@ -145,11 +194,13 @@ def error_message(body: bytes | str) -> str:
     return text.strip()
 
 
-def _raise_stream_error(chunk: Json, url: str) -> None:
+def _raise_stream_error(chunk: Json, url: str) -> Json:
+    """``chunk``, unless it is an error event: then the HTTPError it reports."""
     err = chunk.get("error")
     if isinstance(err, dict):
         code = err.get("code")
         raise HTTPError(code if isinstance(code, int) else 500, str(err.get("message", err)), url=url)
+    return chunk
 
 
 def aggregate_completion(chunks: list[Json]) -> Json:
@@ -170,6 +221,19 @@ def aggregate_completion(chunks: list[Json]) -> Json:
     return final
 
 
+def _fold_delta(msg: Json, delta: Json) -> None:
+    """Add one chat ``delta`` to the message being assembled."""
+    for key, value in delta.items():
+        if key == "role":
+            msg["role"] = value
+        elif isinstance(value, str):
+            msg[key] = (msg.get(key) or "") + value
+        elif key == "tool_calls":
+            msg.setdefault("tool_calls", []).extend(value)
+        elif value is not None:
+            msg[key] = value
+
+
 def aggregate_oai(chunks: list[Json], *, chat: bool) -> Json:
     """Fold ``/v1/chat/completions`` or ``/v1/completions`` stream chunks into one answer."""
     final: Json = {}
@@ -179,16 +243,9 @@ def aggregate_oai(chunks: list[Json], *, chat: bool) -> Json:
             idx = int(choice.get("index", 0))
             agg = choices.setdefault(idx, {"index": idx, "finish_reason": None})
             if chat:
-                msg = agg.setdefault("message", {"role": "assistant", "content": None})
-                for key, value in (choice.get("delta") or {}).items():
-                    if key == "role":
-                        msg["role"] = value
-                    elif isinstance(value, str):
-                        msg[key] = (msg.get(key) or "") + value
-                    elif key == "tool_calls":
-                        msg.setdefault("tool_calls", []).extend(value)
-                    elif value is not None:
-                        msg[key] = value
+                _fold_delta(
+                    agg.setdefault("message", {"role": "assistant", "content": None}), choice.get("delta") or {}
+                )
             else:
                 agg["text"] = agg.get("text", "") + (choice.get("text") or "")
             lp = choice.get("logprobs")
@@ -202,62 +259,121 @@ def aggregate_oai(chunks: list[Json], *, chat: bool) -> Json:
     return final
 
 
-def _body(
-    base: Json,
-    *,
-    shared_pool_slot: int | None,
-    shared_prefix_n_tokens: int | None,
-    extra: Mapping[str, Any] | None,
-    params: Mapping[str, Any],
-) -> Json:
-    body = dict(base)
-    body.update(params)
-    if shared_pool_slot is not None:
-        body["shared_pool_slot"] = shared_pool_slot
-    if shared_prefix_n_tokens is not None:
-        body["shared_prefix_n_tokens"] = shared_prefix_n_tokens
-    if extra:
-        body.update(extra)
-    return body
-
-
 #: How each generation endpoint's stream chunks aggregate into one final response.
 _AGGREGATORS: dict[str, Callable[[list[Json]], Json]] = {
-    "/completion": aggregate_completion,
-    "/v1/completions": functools.partial(aggregate_oai, chat=False),
-    "/v1/chat/completions": functools.partial(aggregate_oai, chat=True),
+    COMPLETION: aggregate_completion,
+    OAI_COMPLETION: functools.partial(aggregate_oai, chat=False),
+    CHAT: functools.partial(aggregate_oai, chat=True),
 }
 
 
+def aggregate(path: str, chunks: Iterable[Json]) -> Json:
+    """The final answer of a stream from the generation endpoint ``path``, folded from its chunks.
+
+    The chunks are copied first: the result shares nothing with them.
+    """
+    return _AGGREGATORS[path](copy.deepcopy(list(chunks)))
+
+
+def stream_result(path: str, chunks: list[Json]) -> StreamResult:
+    """The chunks of a stream from ``path`` and their aggregate."""
+    return StreamResult(chunks, aggregate(path, chunks))
+
+
+# ---------------------------------------------------------------------- requests
+def _json(resp: httpx.Response) -> Any:
+    return resp.json()
+
+
+def _response(resp: httpx.Response) -> httpx.Response:
+    return resp
+
+
+def _metrics(resp: httpx.Response) -> dict[str, float]:
+    return parse_metrics(resp.text)
+
+
+def _field(name: str) -> Callable[[httpx.Response], Any]:
+    return lambda resp: resp.json()[name]
+
+
+@dataclass(frozen=True)
+class Request(Generic[T]):
+    """One request, built once for either client: what to send, and how to read the answer."""
+
+    method: str
+    path: str
+    body: Json | None = None
+    parse: Callable[[httpx.Response], T] = _json
+
+    @staticmethod
+    def get(path: str) -> Request[Any]:
+        """``GET path``, answer decoded from JSON."""
+        return Request("GET", path)
+
+    @staticmethod
+    def post(path: str, body: Json, parse: Callable[[httpx.Response], Any] = _json) -> Request[Any]:
+        """``POST body`` to ``path``, answer decoded from JSON (or read by ``parse``)."""
+        return Request("POST", path, body, parse)
+
+    @staticmethod
+    def stream(path: str, body: Json) -> Request[Any]:
+        """``POST body`` with ``stream: true``: the answer is a stream of SSE chunks."""
+        return Request("POST", path, {**body, "stream": True})
+
+
+def generation_body(key: str, first: Any, share: Share | None, params: dict[str, Any]) -> Json:
+    """A generation request's body: ``{key: first}``, the request parameters, then the sharing fields."""
+    return {key: first, **params, **(share.fields() if share is not None else {})}
+
+
+def tokenize_request(content: str, *, add_special: bool, parse_special: bool, with_pieces: bool) -> Request[Any]:
+    """``POST /tokenize``: token ids, or ``{"id", "piece"}`` dicts with ``with_pieces``."""
+    body: Json = {"content": content, "add_special": add_special, "parse_special": parse_special}
+    if with_pieces:
+        body["with_pieces"] = True
+    return Request.post("/tokenize", body, _field("tokens"))
+
+
+def prompt_tokens_request(prompt: str) -> Request[Any]:
+    """The tokens ``/completion`` evaluates for ``prompt`` (special tokens added and parsed)."""
+    return tokenize_request(prompt, add_special=True, parse_special=True, with_pieces=False)
+
+
+def prime_request(prompt: Prompt, slot: int | None, params: dict[str, Any]) -> Request[Any]:
+    """``POST /completion`` that fills ``slot`` with ``prompt``: processed and cached, nothing generated.
+
+    ``slot=None`` leaves the slot to the server; ``params`` override the defaults.
+    """
+    pin = {} if slot is None else {"id_slot": slot}
+    body = {"prompt": prompt, "n_predict": 0, **pin, "cache_prompt": True, "temperature": 0.0, **params}
+    return Request.post(COMPLETION, body)
+
+
+def erase_request(slot: int) -> Request[Any]:
+    """``POST /slots/{slot}?action=erase``: empty a slot's KV (the server needs ``--slot-save-path``)."""
+    return Request.post(f"/slots/{slot}?action=erase", {})
+
+
+HEALTH = Request.get("/health")
+PROPS = Request.get("/props")
+SLOTS = Request.get("/slots")
+METRICS = Request("GET", "/metrics", parse=_metrics)
+
+
 # ---------------------------------------------------------------------- clients
+class ClientOptions(TypedDict, total=False):
+    """The options both clients take: ``api_key`` (sent as a bearer token), ``timeout`` (seconds a request
+    may wait for the next bytes) and ``server`` (the process behind the URL: a failed request then says
+    whether it exited, with its exit status and log tail)."""
+
+    api_key: str | None
+    timeout: float
+    server: _LogSource | None
+
+
 class _Base:
-    def __init__(self, base_url: str, *, api_key: str | None, server: _LogSource | None) -> None:
-        self.base_url = base_url.rstrip("/")
-        self.server = server
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
-    def _unavailable(self, exc: Exception, url: str) -> ServerUnavailableError:
-        status = tail = None
-        state = ""
-        if self.server is not None:
-            # a server that dropped the connection is often exiting: give it a moment to report how
-            deadline = time.monotonic() + 1.0
-            while (status := self.server.returncode) is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-            state = " (server process still running)" if status is None else " (server process exited)"
-            tail = self.server.log_tail()
-        what = "timed out" if isinstance(exc, httpx.TimeoutException) else "failed"
-        return ServerUnavailableError(
-            f"request to {url} {what}: {type(exc).__name__}: {exc}{state}", exit_status=status, log_tail=tail or ""
-        )
-
-    def _check(self, resp: httpx.Response, body: bytes) -> None:
-        if resp.status_code >= 400:
-            raise HTTPError(resp.status_code, error_message(body), url=str(resp.request.url))
-
-
-class Client(_Base):
-    """Synchronous llama-server client."""
+    """What both clients share: the address, the key, and how an answer or a failure is read."""
 
     def __init__(
         self,
@@ -266,13 +382,58 @@ class Client(_Base):
         api_key: str | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         server: _LogSource | None = None,
-        transport: httpx.BaseTransport | None = None,
     ) -> None:
-        super().__init__(base_url, api_key=api_key, server=server)
-        self._http = httpx.Client(
-            base_url=self.base_url, headers=self._headers, timeout=timeout, transport=transport, trust_env=False,
-            limits=NO_KEEPALIVE,
+        self.base_url = base_url.rstrip("/")
+        self.server = server
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        #: what either httpx client is made with (no proxies from the environment: the server is local)
+        self._http_options: dict[str, Any] = {
+            "base_url": self.base_url,
+            "headers": self._headers,
+            "timeout": timeout,
+            "trust_env": False,
+        }
+
+    def _exit_pending(self, deadline: float) -> bool:
+        """True while the server process still runs and the wait for its exit has time left."""
+        return self.server is not None and self.server.returncode is None and time.monotonic() < deadline
+
+    def _unavailable(self, exc: Exception, path: str) -> ServerUnavailableError:
+        """The error for a failed connection (call after waiting for the process to report its exit)."""
+        status = tail = None
+        state = ""
+        if self.server is not None:
+            status = self.server.returncode
+            state = " (server process still running)" if status is None else " (server process exited)"
+            tail = self.server.log_tail()
+        what = "timed out" if isinstance(exc, httpx.TimeoutException) else "failed"
+        return ServerUnavailableError(
+            f"request to {self.base_url}{path} {what}: {type(exc).__name__}: {exc}{state}",
+            exit_status=status,
+            log_tail=tail or "",
         )
+
+    @staticmethod
+    def _check(resp: httpx.Response, body: bytes) -> None:
+        if resp.status_code >= 400:
+            raise HTTPError(resp.status_code, error_message(body), url=str(resp.request.url))
+
+    def _read(self, req: Request[T], resp: httpx.Response) -> T:
+        self._check(resp, resp.content)
+        return req.parse(resp)
+
+    def _chunk(self, chunk: Json, req: Request[Any]) -> Json:
+        return _raise_stream_error(chunk, f"{self.base_url}{req.path}")
+
+
+class Client(_Base):
+    """Synchronous llama-server client."""
+
+    def __init__(
+        self, base_url: str, *, transport: httpx.BaseTransport | None = None, **options: Unpack[ClientOptions]
+    ) -> None:
+        super().__init__(base_url, **options)
+        self._http = httpx.Client(transport=transport, limits=NO_KEEPALIVE, **self._http_options)
 
     def close(self) -> None:
         """Close the connection pool."""
@@ -285,191 +446,148 @@ class Client(_Base):
         self.close()
 
     # -- transport
-    def request(self, method: str, path: str, body: Json | None = None) -> httpx.Response:
-        """Send a request; raise on transport failure or an error status."""
-        url = f"{self.base_url}{path}"
+    def _failed(self, exc: Exception, path: str) -> ServerUnavailableError:
+        deadline = time.monotonic() + EXIT_WAIT_S  # a server that dropped the connection is often exiting
+        while self._exit_pending(deadline):
+            time.sleep(EXIT_POLL_S)
+        return self._unavailable(exc, path)
+
+    def send(self, req: Request[T]) -> T:
+        """Send ``req`` and read its answer; raise on transport failure or an error status."""
         try:
-            resp = self._http.request(method, path, json=body)
+            resp = self._http.request(req.method, req.path, json=req.body)
         except httpx.TransportError as exc:
-            raise self._unavailable(exc, url) from exc
-        self._check(resp, resp.content)
-        return resp
+            raise self._failed(exc, req.path) from exc
+        return self._read(req, resp)
 
-    def get_json(self, path: str) -> Any:
-        """GET ``path`` and decode JSON."""
-        return self.request("GET", path).json()
-
-    def post_json(self, path: str, body: Json) -> Any:
-        """POST ``body`` to ``path`` and decode JSON."""
-        return self.request("POST", path, body).json()
-
-    def stream_events(self, path: str, body: Json) -> Iterator[Json]:
-        """POST with ``stream: true`` and yield each SSE chunk (raises on an error event)."""
-        url = f"{self.base_url}{path}"
-        body = {**body, "stream": True}
+    def events(self, req: Request[Any]) -> Iterator[Json]:
+        """Send the stream request ``req`` and yield each SSE chunk (raises on an error event)."""
         try:
-            with self._http.stream("POST", path, json=body) as resp:
+            with self._http.stream(req.method, req.path, json=req.body) as resp:
                 if resp.status_code >= 400:
                     self._check(resp, resp.read())
                 for chunk in parse_sse(resp.iter_lines()):
-                    _raise_stream_error(chunk, url)
-                    yield chunk
+                    yield self._chunk(chunk, req)
         except httpx.TransportError as exc:
-            raise self._unavailable(exc, url) from exc
+            raise self._failed(exc, req.path) from exc
 
     def _stream_result(self, path: str, body: Json) -> StreamResult:
-        chunks = list(self.stream_events(path, body))
-        return StreamResult(chunks, _AGGREGATORS[path](copy.deepcopy(chunks)))
+        return stream_result(path, list(self.events(Request.stream(path, body))))
+
+    def request(self, method: str, path: str, body: Json | None = None) -> httpx.Response:
+        """Send a request; raise on transport failure or an error status."""
+        return self.send(Request(method, path, body, _response))
+
+    def get_json(self, path: str) -> Any:
+        """GET ``path`` and decode JSON."""
+        return self.send(Request.get(path))
+
+    def post_json(self, path: str, body: Json) -> Any:
+        """POST ``body`` to ``path`` and decode JSON."""
+        return self.send(Request.post(path, body))
+
+    def stream_events(self, path: str, body: Json) -> Iterator[Json]:
+        """POST with ``stream: true`` and yield each SSE chunk (raises on an error event)."""
+        return self.events(Request.stream(path, body))
 
     # -- endpoints
     def health(self) -> Json:
         """``GET /health`` (raises HTTPError 503 while loading)."""
-        return self.get_json("/health")
+        return self.send(HEALTH)
 
     def props(self) -> Json:
         """``GET /props``."""
-        return self.get_json("/props")
+        return self.send(PROPS)
 
     def slots(self) -> list[Json]:
         """``GET /slots``."""
-        return self.get_json("/slots")
+        return self.send(SLOTS)
 
     def metrics(self) -> dict[str, float]:
         """``GET /metrics`` parsed into a dict (server needs ``--metrics``)."""
-        return parse_metrics(self.request("GET", "/metrics").text)
+        return self.send(METRICS)
 
     def tokenize(
         self, content: str, *, add_special: bool = False, parse_special: bool = True, with_pieces: bool = False
     ) -> list[Any]:
         """``POST /tokenize``: token ids, or ``{"id", "piece"}`` dicts with ``with_pieces``."""
-        body = {"content": content, "add_special": add_special, "parse_special": parse_special}
-        if with_pieces:
-            body["with_pieces"] = True
-        return self.post_json("/tokenize", body)["tokens"]
+        req = tokenize_request(content, add_special=add_special, parse_special=parse_special, with_pieces=with_pieces)
+        return self.send(req)
 
     def detokenize(self, tokens: list[int]) -> str:
         """``POST /detokenize``."""
-        return self.post_json("/detokenize", {"tokens": tokens})["content"]
+        return self.send(Request.post("/detokenize", {"tokens": tokens}, _field("content")))
 
     def apply_template(self, messages: list[Json], **params: Any) -> str:
         """``POST /apply-template``: the chat prompt the server would build."""
-        return self.post_json("/apply-template", {"messages": messages, **params})["prompt"]
+        return self.send(Request.post("/apply-template", {"messages": messages, **params}, _field("prompt")))
 
     def prompt_tokens(self, prompt: str) -> list[int]:
         """The tokens ``/completion`` will evaluate for ``prompt`` (special tokens added and parsed)."""
-        return self.tokenize(prompt, add_special=True, parse_special=True)
+        return self.send(prompt_tokens_request(prompt))
 
     def shared_prefix_len(self, pool_prompt: str, prompt: str) -> int:
         """P for a sharer of ``pool_prompt`` (:func:`polykv_py.tokens.shared_prefix_len` of the tokenized prompts)."""
         return shared_prefix_len(self.prompt_tokens(pool_prompt), self.prompt_tokens(prompt))
 
-    def completion(
-        self,
-        prompt: str | list[Any],
-        *,
-        shared_pool_slot: int | None = None,
-        shared_prefix_n_tokens: int | None = None,
-        extra: Mapping[str, Any] | None = None,
-        **params: Any,
-    ) -> Json:
-        """``POST /completion`` (non-stream)."""
-        body = _body({"prompt": prompt}, shared_pool_slot=shared_pool_slot,
-                     shared_prefix_n_tokens=shared_prefix_n_tokens, extra=extra, params=params)
-        return self.post_json("/completion", body)
+    def completion(self, prompt: Prompt, *, share: Share | None = None, **params: Any) -> Json:
+        """``POST /completion`` (non-stream); ``params`` go into the body as they are."""
+        return self.post_json(COMPLETION, generation_body("prompt", prompt, share, params))
 
-    def completion_stream(
-        self,
-        prompt: str | list[Any],
-        *,
-        shared_pool_slot: int | None = None,
-        shared_prefix_n_tokens: int | None = None,
-        extra: Mapping[str, Any] | None = None,
-        **params: Any,
-    ) -> StreamResult:
+    def completion_stream(self, prompt: Prompt, *, share: Share | None = None, **params: Any) -> StreamResult:
         """``POST /completion`` streamed: the chunks and their aggregate."""
-        body = _body({"prompt": prompt}, shared_pool_slot=shared_pool_slot,
-                     shared_prefix_n_tokens=shared_prefix_n_tokens, extra=extra, params=params)
-        return self._stream_result("/completion", body)
+        return self._stream_result(COMPLETION, generation_body("prompt", prompt, share, params))
 
-    def oai_completion(
-        self,
-        prompt: str | list[Any],
-        *,
-        shared_pool_slot: int | None = None,
-        shared_prefix_n_tokens: int | None = None,
-        extra: Mapping[str, Any] | None = None,
-        **params: Any,
-    ) -> Json:
+    def oai_completion(self, prompt: Prompt, *, share: Share | None = None, **params: Any) -> Json:
         """``POST /v1/completions`` (non-stream)."""
-        body = _body({"prompt": prompt}, shared_pool_slot=shared_pool_slot,
-                     shared_prefix_n_tokens=shared_prefix_n_tokens, extra=extra, params=params)
-        return self.post_json("/v1/completions", body)
+        return self.post_json(OAI_COMPLETION, generation_body("prompt", prompt, share, params))
 
-    def oai_completion_stream(
-        self,
-        prompt: str | list[Any],
-        *,
-        shared_pool_slot: int | None = None,
-        shared_prefix_n_tokens: int | None = None,
-        extra: Mapping[str, Any] | None = None,
-        **params: Any,
-    ) -> StreamResult:
+    def oai_completion_stream(self, prompt: Prompt, *, share: Share | None = None, **params: Any) -> StreamResult:
         """``POST /v1/completions`` streamed."""
-        body = _body({"prompt": prompt}, shared_pool_slot=shared_pool_slot,
-                     shared_prefix_n_tokens=shared_prefix_n_tokens, extra=extra, params=params)
-        return self._stream_result("/v1/completions", body)
+        return self._stream_result(OAI_COMPLETION, generation_body("prompt", prompt, share, params))
 
-    def chat(
-        self,
-        messages: list[Json],
-        *,
-        shared_pool_slot: int | None = None,
-        shared_prefix_n_tokens: int | None = None,
-        extra: Mapping[str, Any] | None = None,
-        **params: Any,
-    ) -> Json:
+    def chat(self, messages: list[Json], *, share: Share | None = None, **params: Any) -> Json:
         """``POST /v1/chat/completions`` (non-stream)."""
-        body = _body({"messages": messages}, shared_pool_slot=shared_pool_slot,
-                     shared_prefix_n_tokens=shared_prefix_n_tokens, extra=extra, params=params)
-        return self.post_json("/v1/chat/completions", body)
+        return self.post_json(CHAT, generation_body("messages", messages, share, params))
 
-    def chat_stream(
-        self,
-        messages: list[Json],
-        *,
-        shared_pool_slot: int | None = None,
-        shared_prefix_n_tokens: int | None = None,
-        extra: Mapping[str, Any] | None = None,
-        **params: Any,
-    ) -> StreamResult:
+    def chat_stream(self, messages: list[Json], *, share: Share | None = None, **params: Any) -> StreamResult:
         """``POST /v1/chat/completions`` streamed."""
-        body = _body({"messages": messages}, shared_pool_slot=shared_pool_slot,
-                     shared_prefix_n_tokens=shared_prefix_n_tokens, extra=extra, params=params)
-        return self._stream_result("/v1/chat/completions", body)
+        return self._stream_result(CHAT, generation_body("messages", messages, share, params))
+
+    # -- the pool
+    def prime(self, prompt: Prompt, slot: int | None, **params: Any) -> Json:
+        """Fill ``slot`` with ``prompt`` (processed and cached, nothing generated; None: any slot)."""
+        return self.send(prime_request(prompt, slot, params))
+
+    def share(self, pool_prompt: str, prompt: str, *, pool_slot: int = 0, **params: Any) -> Json:
+        """``POST /completion`` of ``prompt`` sharing the first P tokens of ``pool_slot``, which holds ``pool_prompt``.
+
+        P is :meth:`shared_prefix_len` of the two prompts.
+        """
+        return self.completion(prompt, share=Share(pool_slot, self.shared_prefix_len(pool_prompt, prompt)), **params)
+
+    def erase_slot(self, slot: int) -> Json:
+        """Empty ``slot``'s KV (``POST /slots/{slot}?action=erase``; the server needs ``--slot-save-path``)."""
+        return self.send(erase_request(slot))
 
 
 class AsyncClient(_Base):
-    """Asynchronous llama-server client (same methods as :class:`Client`, awaitable)."""
+    """Asynchronous llama-server client (same methods as :class:`Client`, awaitable).
+
+    ``max_connections`` bounds the requests in flight.
+    """
 
     def __init__(
         self,
         base_url: str,
         *,
-        api_key: str | None = None,
-        timeout: float = DEFAULT_TIMEOUT,
-        server: _LogSource | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         max_connections: int = 64,
+        **options: Unpack[ClientOptions],
     ) -> None:
-        super().__init__(base_url, api_key=api_key, server=server)
-        self._http = httpx.AsyncClient(
-            base_url=self.base_url,
-            headers=self._headers,
-            timeout=timeout,
-            transport=transport,
-            trust_env=False,
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=0),
-        )
+        super().__init__(base_url, **options)
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=0)
+        self._http = httpx.AsyncClient(transport=transport, limits=limits, **self._http_options)
 
     async def aclose(self) -> None:
         """Close the connection pool."""
@@ -482,173 +600,124 @@ class AsyncClient(_Base):
         await self.aclose()
 
     # -- transport
+    async def _failed(self, exc: Exception, path: str) -> ServerUnavailableError:
+        deadline = time.monotonic() + EXIT_WAIT_S  # never block the event loop while the process exits
+        while self._exit_pending(deadline):
+            await asyncio.sleep(EXIT_POLL_S)
+        return self._unavailable(exc, path)
+
+    async def send(self, req: Request[T]) -> T:
+        """Send ``req`` and read its answer; raise on transport failure or an error status."""
+        try:
+            resp = await self._http.request(req.method, req.path, json=req.body)
+        except httpx.TransportError as exc:
+            raise await self._failed(exc, req.path) from exc
+        return self._read(req, resp)
+
+    async def events(self, req: Request[Any]) -> AsyncIterator[Json]:
+        """Send the stream request ``req`` and yield each SSE chunk (raises on an error event)."""
+        try:
+            async with self._http.stream(req.method, req.path, json=req.body) as resp:
+                if resp.status_code >= 400:
+                    self._check(resp, await resp.aread())
+                async for chunk in aparse_sse(resp.aiter_lines()):
+                    yield self._chunk(chunk, req)
+        except httpx.TransportError as exc:
+            raise await self._failed(exc, req.path) from exc
+
+    async def _stream_result(self, path: str, body: Json) -> StreamResult:
+        return stream_result(path, [chunk async for chunk in self.events(Request.stream(path, body))])
+
     async def request(self, method: str, path: str, body: Json | None = None) -> httpx.Response:
         """Send a request; raise on transport failure or an error status."""
-        url = f"{self.base_url}{path}"
-        try:
-            resp = await self._http.request(method, path, json=body)
-        except httpx.TransportError as exc:
-            raise self._unavailable(exc, url) from exc
-        self._check(resp, resp.content)
-        return resp
+        return await self.send(Request(method, path, body, _response))
 
     async def get_json(self, path: str) -> Any:
         """GET ``path`` and decode JSON."""
-        return (await self.request("GET", path)).json()
+        return await self.send(Request.get(path))
 
     async def post_json(self, path: str, body: Json) -> Any:
         """POST ``body`` to ``path`` and decode JSON."""
-        return (await self.request("POST", path, body)).json()
+        return await self.send(Request.post(path, body))
 
-    async def stream_events(self, path: str, body: Json) -> AsyncIterator[Json]:
-        """POST with ``stream: true`` and yield each SSE chunk (raises on an error event)."""
-        url = f"{self.base_url}{path}"
-        body = {**body, "stream": True}
-        try:
-            async with self._http.stream("POST", path, json=body) as resp:
-                if resp.status_code >= 400:
-                    self._check(resp, await resp.aread())
-                dec = SSEDecoder()
-                async for line in resp.aiter_lines():
-                    event = dec.feed(line)
-                    if event is not None:
-                        _raise_stream_error(event, url)
-                        yield event
-                    if dec.done:
-                        return
-                event = dec.flush()
-                if event is not None:
-                    _raise_stream_error(event, url)
-                    yield event
-        except httpx.TransportError as exc:
-            raise self._unavailable(exc, url) from exc
-
-    async def _stream_result(self, path: str, body: Json) -> StreamResult:
-        chunks = [chunk async for chunk in self.stream_events(path, body)]
-        return StreamResult(chunks, _AGGREGATORS[path](copy.deepcopy(chunks)))
+    def stream_events(self, path: str, body: Json) -> AsyncIterator[Json]:
+        """POST with ``stream: true`` and yield each SSE chunk (raises on an error event); use ``async for``."""
+        return self.events(Request.stream(path, body))
 
     # -- endpoints
     async def health(self) -> Json:
         """``GET /health``."""
-        return await self.get_json("/health")
+        return await self.send(HEALTH)
 
     async def props(self) -> Json:
         """``GET /props``."""
-        return await self.get_json("/props")
+        return await self.send(PROPS)
 
     async def slots(self) -> list[Json]:
         """``GET /slots``."""
-        return await self.get_json("/slots")
+        return await self.send(SLOTS)
 
     async def metrics(self) -> dict[str, float]:
         """``GET /metrics`` parsed into a dict."""
-        return parse_metrics((await self.request("GET", "/metrics")).text)
+        return await self.send(METRICS)
 
     async def tokenize(
         self, content: str, *, add_special: bool = False, parse_special: bool = True, with_pieces: bool = False
     ) -> list[Any]:
         """``POST /tokenize``."""
-        body = {"content": content, "add_special": add_special, "parse_special": parse_special}
-        if with_pieces:
-            body["with_pieces"] = True
-        return (await self.post_json("/tokenize", body))["tokens"]
+        req = tokenize_request(content, add_special=add_special, parse_special=parse_special, with_pieces=with_pieces)
+        return await self.send(req)
 
     async def detokenize(self, tokens: list[int]) -> str:
         """``POST /detokenize``."""
-        return (await self.post_json("/detokenize", {"tokens": tokens}))["content"]
+        return await self.send(Request.post("/detokenize", {"tokens": tokens}, _field("content")))
 
     async def apply_template(self, messages: list[Json], **params: Any) -> str:
         """``POST /apply-template``."""
-        return (await self.post_json("/apply-template", {"messages": messages, **params}))["prompt"]
+        return await self.send(Request.post("/apply-template", {"messages": messages, **params}, _field("prompt")))
 
     async def prompt_tokens(self, prompt: str) -> list[int]:
         """The tokens ``/completion`` will evaluate for ``prompt``."""
-        return await self.tokenize(prompt, add_special=True, parse_special=True)
+        return await self.send(prompt_tokens_request(prompt))
 
     async def shared_prefix_len(self, pool_prompt: str, prompt: str) -> int:
         """P for a sharer of ``pool_prompt`` (:func:`polykv_py.tokens.shared_prefix_len` of the tokenized prompts)."""
         return shared_prefix_len(await self.prompt_tokens(pool_prompt), await self.prompt_tokens(prompt))
 
-    async def completion(
-        self,
-        prompt: str | list[Any],
-        *,
-        shared_pool_slot: int | None = None,
-        shared_prefix_n_tokens: int | None = None,
-        extra: Mapping[str, Any] | None = None,
-        **params: Any,
-    ) -> Json:
+    async def completion(self, prompt: Prompt, *, share: Share | None = None, **params: Any) -> Json:
         """``POST /completion`` (non-stream)."""
-        body = _body({"prompt": prompt}, shared_pool_slot=shared_pool_slot,
-                     shared_prefix_n_tokens=shared_prefix_n_tokens, extra=extra, params=params)
-        return await self.post_json("/completion", body)
+        return await self.post_json(COMPLETION, generation_body("prompt", prompt, share, params))
 
-    async def completion_stream(
-        self,
-        prompt: str | list[Any],
-        *,
-        shared_pool_slot: int | None = None,
-        shared_prefix_n_tokens: int | None = None,
-        extra: Mapping[str, Any] | None = None,
-        **params: Any,
-    ) -> StreamResult:
+    async def completion_stream(self, prompt: Prompt, *, share: Share | None = None, **params: Any) -> StreamResult:
         """``POST /completion`` streamed."""
-        body = _body({"prompt": prompt}, shared_pool_slot=shared_pool_slot,
-                     shared_prefix_n_tokens=shared_prefix_n_tokens, extra=extra, params=params)
-        return await self._stream_result("/completion", body)
+        return await self._stream_result(COMPLETION, generation_body("prompt", prompt, share, params))
 
-    async def oai_completion(
-        self,
-        prompt: str | list[Any],
-        *,
-        shared_pool_slot: int | None = None,
-        shared_prefix_n_tokens: int | None = None,
-        extra: Mapping[str, Any] | None = None,
-        **params: Any,
-    ) -> Json:
+    async def oai_completion(self, prompt: Prompt, *, share: Share | None = None, **params: Any) -> Json:
         """``POST /v1/completions`` (non-stream)."""
-        body = _body({"prompt": prompt}, shared_pool_slot=shared_pool_slot,
-                     shared_prefix_n_tokens=shared_prefix_n_tokens, extra=extra, params=params)
-        return await self.post_json("/v1/completions", body)
+        return await self.post_json(OAI_COMPLETION, generation_body("prompt", prompt, share, params))
 
-    async def oai_completion_stream(
-        self,
-        prompt: str | list[Any],
-        *,
-        shared_pool_slot: int | None = None,
-        shared_prefix_n_tokens: int | None = None,
-        extra: Mapping[str, Any] | None = None,
-        **params: Any,
-    ) -> StreamResult:
+    async def oai_completion_stream(self, prompt: Prompt, *, share: Share | None = None, **params: Any) -> StreamResult:
         """``POST /v1/completions`` streamed."""
-        body = _body({"prompt": prompt}, shared_pool_slot=shared_pool_slot,
-                     shared_prefix_n_tokens=shared_prefix_n_tokens, extra=extra, params=params)
-        return await self._stream_result("/v1/completions", body)
+        return await self._stream_result(OAI_COMPLETION, generation_body("prompt", prompt, share, params))
 
-    async def chat(
-        self,
-        messages: list[Json],
-        *,
-        shared_pool_slot: int | None = None,
-        shared_prefix_n_tokens: int | None = None,
-        extra: Mapping[str, Any] | None = None,
-        **params: Any,
-    ) -> Json:
+    async def chat(self, messages: list[Json], *, share: Share | None = None, **params: Any) -> Json:
         """``POST /v1/chat/completions`` (non-stream)."""
-        body = _body({"messages": messages}, shared_pool_slot=shared_pool_slot,
-                     shared_prefix_n_tokens=shared_prefix_n_tokens, extra=extra, params=params)
-        return await self.post_json("/v1/chat/completions", body)
+        return await self.post_json(CHAT, generation_body("messages", messages, share, params))
 
-    async def chat_stream(
-        self,
-        messages: list[Json],
-        *,
-        shared_pool_slot: int | None = None,
-        shared_prefix_n_tokens: int | None = None,
-        extra: Mapping[str, Any] | None = None,
-        **params: Any,
-    ) -> StreamResult:
+    async def chat_stream(self, messages: list[Json], *, share: Share | None = None, **params: Any) -> StreamResult:
         """``POST /v1/chat/completions`` streamed."""
-        body = _body({"messages": messages}, shared_pool_slot=shared_pool_slot,
-                     shared_prefix_n_tokens=shared_prefix_n_tokens, extra=extra, params=params)
-        return await self._stream_result("/v1/chat/completions", body)
+        return await self._stream_result(CHAT, generation_body("messages", messages, share, params))
+
+    # -- the pool
+    async def prime(self, prompt: Prompt, slot: int | None, **params: Any) -> Json:
+        """Fill ``slot`` with ``prompt`` (processed and cached, nothing generated; None: any slot)."""
+        return await self.send(prime_request(prompt, slot, params))
+
+    async def share(self, pool_prompt: str, prompt: str, *, pool_slot: int = 0, **params: Any) -> Json:
+        """``POST /completion`` sharing the pool slot that holds ``pool_prompt`` (see :meth:`Client.share`)."""
+        p = await self.shared_prefix_len(pool_prompt, prompt)
+        return await self.completion(prompt, share=Share(pool_slot, p), **params)
+
+    async def erase_slot(self, slot: int) -> Json:
+        """Empty ``slot``'s KV (``POST /slots/{slot}?action=erase``)."""
+        return await self.send(erase_request(slot))

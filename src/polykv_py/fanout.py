@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
 
-from .client import DEFAULT_TIMEOUT, AsyncClient, aggregate_completion, aggregate_oai
+from .client import CHAT, COMPLETION, DEFAULT_TIMEOUT, AsyncClient, Share, aggregate, generation_body
 from .errors import PolykvError, ServerUnavailableError
 from .results import (
     ERROR,
@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 
 Json = dict[str, Any]
 
+#: The endpoint each agent mode is sent to.
+ENDPOINTS: dict[Mode, str] = {"completion": COMPLETION, "chat": CHAT}
 
 
 class FanoutError(PolykvError):
@@ -133,13 +135,6 @@ ProgressCallback = Callable[[str, Any], None]
 
 
 # --------------------------------------------------------------------------- logic
-def parse_stream(chunks: Sequence[Json], mode: Mode) -> Json:
-    """The final answer of a streamed request, aggregated from its chunks."""
-    if mode == "chat":
-        return aggregate_oai([dict(c) for c in chunks], chat=True)
-    return aggregate_completion([dict(c) for c in chunks])
-
-
 def chunk_has_text(chunk: Json, mode: Mode) -> bool:
     """True for a stream chunk that carries generated text (for time-to-first-token)."""
     if mode == "completion":
@@ -328,7 +323,7 @@ class SharedContext:
 
     async def extra_body(self, agent: Agent) -> Json:
         """The sharing fields for ``agent``, e.g. for the OpenAI client's ``extra_body``."""
-        return {"shared_pool_slot": self.pool_slot, "shared_prefix_n_tokens": await self.prefix_len(agent)}
+        return Share(self.pool_slot, await self.prefix_len(agent)).fields()
 
     # -- pool ---------------------------------------------------------------------
     async def prime(self, reason: str = "initial") -> PrimeResult:
@@ -340,19 +335,22 @@ class SharedContext:
         self._ready.clear()
         try:
             tokens = await self.pool_tokens()
-            body: Json = {"prompt": tokens, "n_predict": 0, "cache_prompt": True, "temperature": 0.0}
-            if self.pin_prime:
-                body["id_slot"] = self.pool_slot
             t0 = time.perf_counter()
-            answer = await self.client.post_json("/completion", body)
+            answer = await self.client.prime(tokens, self.pool_slot if self.pin_prime else None)
             wall = time.perf_counter() - t0
             timings = answer.get("timings") or {}
             self._generation += 1
             res = PrimeResult(self._generation, len(tokens), int(timings.get("prompt_n", len(tokens))), wall, reason)
             self.primes.append(res)
             self._primed_generation = self._generation
-            log.info("primed pool slot %d with %d tokens (%d computed) in %.2fs (%s)",
-                     self.pool_slot, res.n_tokens, res.processed, wall, reason)
+            log.info(
+                "primed pool slot %d with %d tokens (%d computed) in %.2fs (%s)",
+                self.pool_slot,
+                res.n_tokens,
+                res.processed,
+                wall,
+                reason,
+            )
             if self._progress:
                 self._progress("prime", res)
             return res
@@ -392,35 +390,47 @@ class SharedContext:
     def _failed(self, agent: Agent, index: int, t_origin: float, n_prompt: int, exc: Exception) -> AgentResult:
         now = time.perf_counter() - t_origin
         return AgentResult(
-            index=index, name=agent.name or f"agent-{index + 1}", mode=agent.resolved_mode(self.base), text="",
-            status=ERROR, requested=0, shared=0, n_prompt=n_prompt, processed=0, cached=0, n_generated=0,
-            ttft_s=None, latency_s=0.0, started_s=now, finished_s=now, finish_reason=None, id_slot=None,
+            index=index,
+            name=agent.name or f"agent-{index + 1}",
+            mode=agent.resolved_mode(self.base),
+            text="",
+            status=ERROR,
+            requested=0,
+            shared=0,
+            n_prompt=n_prompt,
+            processed=0,
+            cached=0,
+            n_generated=0,
+            ttft_s=None,
+            latency_s=0.0,
+            started_s=now,
+            finished_s=now,
+            finish_reason=None,
+            id_slot=None,
             error=first_line(exc),
         )
 
-    def _body(self, agent: Agent, mode: Mode, P: int | None) -> Json:
-        body: Json = {"messages": agent.messages(self.base)} if mode == "chat" else {"prompt": agent.prompt(self.base)}
-        body.update(agent.params)
-        if P is not None:
-            body["shared_pool_slot"] = self.pool_slot
-            body["shared_prefix_n_tokens"] = P
-        return body
+    def _body(self, agent: Agent, mode: Mode, p: int | None) -> Json:
+        share = Share(self.pool_slot, p) if p is not None else None
+        if mode == "chat":
+            return generation_body("messages", agent.messages(self.base), share, dict(agent.params))
+        return generation_body("prompt", agent.prompt(self.base), share, dict(agent.params))
 
     async def ask(self, agent: Agent, *, index: int = 0, t_origin: float | None = None) -> AgentResult:
         """Send one agent (streamed, to time its first token) and return its result."""
         mode = agent.resolved_mode(self.base)
         n_prompt_tokens = await self.agent_tokens(agent)
-        P = shared_prefix_len(await self.pool_tokens(), n_prompt_tokens) if self.share else None
+        p = shared_prefix_len(await self.pool_tokens(), n_prompt_tokens) if self.share else None
         if self.share:
             await self.ensure_primed()
             await self._ready.wait()
         generation = self._primed_generation
-        path = "/v1/chat/completions" if mode == "chat" else "/completion"
+        path = ENDPOINTS[mode]
         origin = t_origin if t_origin is not None else time.perf_counter()
         t0 = time.perf_counter()
         ttft: float | None = None
         chunks: list[Json] = []
-        body = self._body(agent, mode, P)
+        body = self._body(agent, mode, p)
         for attempt in (1, 2):
             try:
                 async for chunk in self.client.stream_events(path, body):
@@ -433,7 +443,7 @@ class SharedContext:
                     raise
                 log.debug("agent %s: resending after a stale connection", agent.name or index)
         t1 = time.perf_counter()
-        final = parse_stream(chunks, mode)
+        final = aggregate(path, chunks)
         text, finish = answer_text(final, mode)
         timings = final.get("timings") or {}
         sp = final.get("shared_prefix")
@@ -446,7 +456,7 @@ class SharedContext:
             mode=mode,
             text=text,
             status=status,
-            requested=P or 0,
+            requested=p or 0,
             shared=int(sp.get("shared", 0)) if isinstance(sp, dict) else 0,
             n_prompt=len(n_prompt_tokens),
             processed=int(timings.get("prompt_n", 0)),

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from .native import ServerKind
 from .server import DEFAULT_THREADS, LlamaServer
@@ -29,19 +30,28 @@ KV_DEBUG_ARGS = ("-lv", "5")
 NO_CLEAR_IDLE = "--no-clear-idle"
 #: Upstream's own name: keep idle slots resident (the reference server knows only this one).
 NO_CACHE_IDLE = "--no-cache-idle-slots"
+#: Unified KV: one buffer for all slots, so a share only adds the agent's sequence id to the pool's cells.
+UNIFIED_KV = "-kvu"
+#: No host prompt cache: with it, a slot restores an agent's old prompt from RAM as a private copy of the
+#: prefix (status own_cache, P more cells) instead of sharing the pool's cells.
+NO_HOST_CACHE = ("--cache-ram", "0")
 
 #: Flags a pool server needs: unified KV (sharing without copies), idle slots kept resident, /slots, and
-#: no host prompt cache: with it, a slot restores an agent's old prompt from RAM as a private copy of the
-#: prefix (status own_cache, P more cells) instead of sharing the pool's cells.
-POOL_SERVER_ARGS = ("-kvu", NO_CLEAR_IDLE, "--cache-ram", "0", "--slots")
+#: no host prompt cache.
+POOL_SERVER_ARGS = (UNIFIED_KV, NO_CLEAR_IDLE, *NO_HOST_CACHE, "--slots")
 #: The same for the reference server (upstream's flag name; no pool slot to reserve).
-REFERENCE_SERVER_ARGS = ("-kvu", NO_CACHE_IDLE, "--cache-ram", "0", "--slots")
+REFERENCE_SERVER_ARGS = (UNIFIED_KV, NO_CACHE_IDLE, *NO_HOST_CACHE, "--slots")
 
 #: Flags ``polykv serve`` adds unless the user passes ``--no-defaults``.
 SERVE_DEFAULTS = (
-    "-kvu", NO_CLEAR_IDLE, "--cache-ram", "0", "--pool-slots", "0", "-np", "8", "-c", "32768",
+    *POOL_SERVER_ARGS[:-1], "--pool-slots", "0", "-np", "8", "-c", "32768",
     "-t", str(min(os.cpu_count() or 2, 8)), "--metrics", "--slots",
 )  # fmt: skip
+
+
+def slots_args(n_slots: int, ctx: int) -> list[str]:
+    """``-np n_slots -c ctx``: the server's slots and the KV cells they share (unified) or split."""
+    return ["-np", str(n_slots), "-c", str(ctx)]
 
 
 def pool_slot_args(pool_slots: Sequence[int]) -> list[str]:
@@ -69,27 +79,56 @@ def pool_server(
     extra_args: Sequence[str] = (),
     track_kv: bool = True,
     name: str = "polykv-pool",
-    pool_slot: int = 0,
+    pool_slot: int | None = 0,
+    env: Mapping[str, str] | None = None,
+    **launch: Any,
 ) -> LlamaServer:
     """A fan-out server: ``n_agents_parallel`` agent slots plus the pool slot ``pool_slot``.
 
-    On the patched server the pool slot is reserved with ``--pool-slots``; ``ctx`` KV cells in all
-    (unified); with ``track_kv`` the debug logging :mod:`polykv_py.harness.kvcells` reads.
+    On the patched server the pool slot is reserved with ``--pool-slots`` (``pool_slot=None``:
+    nothing reserved, e.g. to compare scheduling with the reference server); ``ctx`` KV cells
+    in all (unified); with ``track_kv`` the debug logging :mod:`polykv_py.harness.kvcells` reads.
     ``kind="upstream"`` gives the reference server with the same flags (its own flag names).
+    ``launch`` goes to :class:`~polykv_py.server.LlamaServer` (``binary``, ``log_dir``, ``api_key`` ...).
     """
     kind = ServerKind.of(kind)
     patched = kind is ServerKind.PATCHED
-    debug_args, env = kv_debug(track_kv)
-    args = [*(POOL_SERVER_ARGS if patched else REFERENCE_SERVER_ARGS), "-np", str(n_agents_parallel + 1),
-            "-c", str(ctx), *slot_actions_args(), *(pool_slot_args([pool_slot]) if patched else []), *debug_args]
-    return LlamaServer(model=model, kind=kind, args=[*args, *extra_args], threads=threads or DEFAULT_THREADS,
-                       env=env, name=name)
+    reserve = pool_slot_args([pool_slot]) if patched and pool_slot is not None else []
+    recipe = POOL_SERVER_ARGS if patched else REFERENCE_SERVER_ARGS
+    args = [*recipe, *slots_args(n_agents_parallel + 1, ctx), *slot_actions_args(), *reserve]
+    return _server(kind, args, extra_args, track_kv, model=model, threads=threads, name=name, env=env, **launch)
 
 
-def reference_server(*, model: str | None = None, n_slots: int = 4, ctx: int = 16384, threads: int | None = None,
-                     extra_args: Sequence[str] = (), track_kv: bool = False, name: str = "reference") -> LlamaServer:
+def reference_server(
+    *,
+    model: str | None = None,
+    n_slots: int = 4,
+    ctx: int = 16384,
+    threads: int | None = None,
+    extra_args: Sequence[str] = (),
+    track_kv: bool = False,
+    name: str = "reference",
+    env: Mapping[str, str] | None = None,
+    **launch: Any,
+) -> LlamaServer:
     """The pristine server with a pool server's flags (unified KV, idle slots resident, no host cache)."""
-    debug_args, env = kv_debug(track_kv)
-    args = [*REFERENCE_SERVER_ARGS, "-np", str(n_slots), "-c", str(ctx), *slot_actions_args(), *debug_args]
-    return LlamaServer(model=model, kind=ServerKind.UPSTREAM, args=[*args, *extra_args],
-                       threads=threads or DEFAULT_THREADS, env=env, name=name)
+    args = [*REFERENCE_SERVER_ARGS, *slots_args(n_slots, ctx), *slot_actions_args()]
+    return _server(ServerKind.UPSTREAM, args, extra_args, track_kv, model=model, threads=threads, name=name, env=env,
+                   **launch)  # fmt: skip
+
+
+def _server(
+    kind: ServerKind,
+    args: Sequence[str],
+    extra_args: Sequence[str],
+    track_kv: bool,
+    *,
+    threads: int | None,
+    env: Mapping[str, str] | None,
+    **launch: Any,
+) -> LlamaServer:
+    """A recipe's server: its flags, then the KV debug flags, then the caller's own (which win)."""
+    debug_args, debug_env = kv_debug(track_kv)
+    full_env = {**(debug_env or {}), **(env or {})}
+    return LlamaServer(kind=kind, args=[*args, *debug_args, *extra_args], threads=threads or DEFAULT_THREADS,
+                       env=full_env or None, **launch)  # fmt: skip

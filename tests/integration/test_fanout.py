@@ -64,7 +64,7 @@ def test_completion_fanout_shares_the_verified_prefix(server: LlamaServer) -> No
     time.sleep(0.3)
     peak = kv.read().peak
     pool = toks["pool"]
-    for agent, prompt in zip(res.agents, toks["prompts"]):
+    for agent, prompt in zip(res.agents, toks["prompts"], strict=True):
         p = common_prefix_len(pool, prompt)
         assert p == len(pool) - 1, "the trailing blank line tokenizes differently inside the full prompt"
         assert agent.requested == p
@@ -81,7 +81,7 @@ def test_chat_fanout_hits(server: LlamaServer) -> None:
     base = BaseContext.chat(system="Answer briefly.", document=base_text())
     agents = [Agent(q, params={"max_tokens": 8, "temperature": 0.0}) for q in QUESTIONS[:2]]
     res, toks = fanout(server, base, agents)
-    for agent, prompt in zip(res.agents, toks["prompts"]):
+    for agent, prompt in zip(res.agents, toks["prompts"], strict=True):
         assert agent.mode == "chat"
         assert agent.status == "hit", agent.shared_prefix
         assert agent.requested == common_prefix_len(toks["pool"], prompt)
@@ -95,7 +95,7 @@ def test_reprime_when_the_pool_is_not_resident(server: LlamaServer) -> None:
 
     async def erase(client: AsyncClient, slots: range) -> None:
         for slot in slots:
-            await client.post_json(f"/slots/{slot}?action=erase", {})
+            await client.erase_slot(slot)
 
     async def main() -> tuple[FanoutResult, FanoutResult]:
         async with AsyncClient(server.url, server=server) as client:

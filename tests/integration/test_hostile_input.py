@@ -57,16 +57,30 @@ INT32_MAX = 2**31 - 1
 FIELDS = ("shared_pool_slot", "shared_prefix_n_tokens")
 ENDPOINTS = ("/completion", "/v1/completions", "/v1/chat/completions")
 BASE = "Pool notes: the red kite nests by the mill, and the old bridge was rebuilt in 1843.\n"
-STATUSES = {"no_prefix", "self", "own_cache", "unsupported", "pool_busy", "not_resident", "mismatch", "hit",
-            "copied", "skipped"}
+STATUSES = {
+    "no_prefix",
+    "self",
+    "own_cache",
+    "unsupported",
+    "pool_busy",
+    "not_resident",
+    "mismatch",
+    "hit",
+    "copied",
+    "skipped",
+}
 
 #: examples tried and outcomes seen, per property (written to $POLYKV_RELIABILITY_OUT at the end)
 STATS: dict[str, Counter[str]] = {}
 
 
 def common_settings(n: int) -> Any:
-    return settings(max_examples=n, deadline=None, database=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    return settings(
+        max_examples=n,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    )
 
 
 def tally(prop: str, outcome: str) -> None:
@@ -92,9 +106,9 @@ class Pool:
         """Empty the non-pool slots; (re-)prime the pool with exactly the base's tokens."""
         for slot in range(N_SLOTS):
             if slot != POOL:
-                self.client.request("POST", f"/slots/{slot}?action=erase")
+                self.client.erase_slot(slot)
         if prime:
-            self.client.completion(BASE, id_slot=POOL, n_predict=0, cache_prompt=True)
+            self.client.prime(BASE, POOL)
 
     def alive(self) -> None:
         assert self.server.is_alive(), self.server.log_tail()
@@ -111,13 +125,26 @@ class Pool:
 @pytest.fixture(scope="module")
 def pool(patched_server_bin: Path, model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
     logs = tmp_path_factory.mktemp("hostile-logs")
-    args = ["-kvu", "--no-clear-idle", "--cache-ram", "0", "-np", str(N_SLOTS), "-c", "2048",
-            "--slot-save-path", str(logs)]
+    args = [
+        "-kvu",
+        "--no-clear-idle",
+        "--cache-ram",
+        "0",
+        "-np",
+        str(N_SLOTS),
+        "-c",
+        "2048",
+        "--slot-save-path",
+        str(logs),
+    ]
     # one thread: prompts here are a few dozen tokens, and with two, ggml's thread barriers stall badly
     # whenever another process competes for the two cores (README, engine benchmark)
-    with LlamaServer(patched_server_bin, model_path, args, threads=1, log_dir=logs, name="hostile") as srv, \
-            httpx.Client(base_url=srv.url, timeout=120, trust_env=False,
-                         limits=httpx.Limits(max_keepalive_connections=0)) as http:
+    with (
+        LlamaServer(patched_server_bin, model_path, args, threads=1, log_dir=logs, name="hostile") as srv,
+        httpx.Client(
+            base_url=srv.url, timeout=120, trust_env=False, limits=httpx.Limits(max_keepalive_connections=0)
+        ) as http,
+    ):
         n_vocab = srv.client.get_json("/v1/models")["data"][0]["meta"]["n_vocab"]
         p = Pool(srv, http, srv.client, srv.client.prompt_tokens(BASE), n_vocab)
         p.reset()
@@ -126,8 +153,11 @@ def pool(patched_server_bin: Path, model_path: Path, tmp_path_factory: pytest.Te
         p.alive()
     out = os.environ.get("POLYKV_RELIABILITY_OUT")
     if out:
-        write_summary(Path(out), {f"hostile_{k}_examples": sum(v.values()) for k, v in STATS.items()}
-                      | {f"hostile_{k}_outcomes": dict(v) for k, v in STATS.items()})
+        write_summary(
+            Path(out),
+            {f"hostile_{k}_examples": sum(v.values()) for k, v in STATS.items()}
+            | {f"hostile_{k}_outcomes": dict(v) for k, v in STATS.items()},
+        )
 
 
 def write_summary(path: Path, entries: dict[str, Any]) -> None:
@@ -147,8 +177,9 @@ def valid_prefix(v: Any) -> bool:
     return v is None or (type(v) is int and 0 <= v <= INT32_MAX)
 
 
-def expected_share(pool: list[int], prompt: list[int], pool_slot: int | None, p: int | None, slot: int,
-                   busy: bool = False) -> dict[str, Any] | None:
+def expected_share(
+    pool: list[int], prompt: list[int], pool_slot: int | None, p: int | None, slot: int, busy: bool = False
+) -> dict[str, Any] | None:
     """What the patched server reports, given that slots 1-3 are erased and the pool holds ``pool``."""
     if pool_slot is None or pool_slot < 0:
         return None
@@ -172,14 +203,16 @@ def expected_share(pool: list[int], prompt: list[int], pool_slot: int | None, p:
     return out | {"status": "hit", "shared": n_req - 1 if n_req == len(prompt) else n_req}
 
 
-def check_answer(pool: Pool, path: str, body: dict[str, Any], resp: httpx.Response, slot: int,
-                 busy: bool = False) -> str:
+def check_answer(
+    pool: Pool, path: str, body: dict[str, Any], resp: httpx.Response, slot: int, busy: bool = False
+) -> str:
     """Check one 200 answer against the model and the isolation invariant; returns its status."""
     assert resp.status_code == 200, resp.text[:500]
     doc = resp.json()
     prompt = pool.prompt_tokens(path, body)
-    want = expected_share(pool.tokens, prompt, body.get("shared_pool_slot"), body.get("shared_prefix_n_tokens"),
-                          slot, busy)
+    want = expected_share(
+        pool.tokens, prompt, body.get("shared_pool_slot"), body.get("shared_prefix_n_tokens"), slot, busy
+    )
     got = doc.get("shared_prefix")
     if want is None:
         assert got is None, got
@@ -217,8 +250,9 @@ NOT_INTEGERS = st.one_of(
     st.dictionaries(st.text(max_size=3), st.integers(-3, 3), max_size=2),
 )
 HUGE = st.one_of(
-    st.sampled_from([2**31, 2**32, 2**63 - 1, 2**63, 2**64 - 1, 2**64, 10**30, 2**200,
-                     -(2**31) - 1, -(2**63), -(2**64), -(10**30)]),
+    st.sampled_from(
+        [2**31, 2**32, 2**63 - 1, 2**63, 2**64 - 1, 2**64, 10**30, 2**200, -(2**31) - 1, -(2**63), -(2**64), -(10**30)]
+    ),
     st.integers(min_value=2**31),
     st.integers(max_value=-(2**31)),
 )
@@ -234,8 +268,9 @@ def mix(valid: st.SearchStrategy[Any], bad: st.SearchStrategy[Any]) -> st.Search
 
 ANY_POOL_SLOT = mix(st.integers(-1, N_SLOTS - 1), BAD_POOL_SLOT)
 ANY_PREFIX = mix(st.one_of(st.integers(0, 64), st.integers(0, INT32_MAX), st.just(INT32_MAX)), BAD_PREFIX)
-SPECIAL = st.sampled_from(["", "<|im_start|>", "<|im_end|>", "<|endoftext|>", "\n\n", " ", "\t", "\x00", "\u200b",
-                           "Pool notes:", "🦀"])
+SPECIAL = st.sampled_from(
+    ["", "<|im_start|>", "<|im_end|>", "<|endoftext|>", "\n\n", " ", "\t", "\x00", "\u200b", "Pool notes:", "🦀"]
+)
 HEADS = st.sampled_from(["", BASE, BASE[:40], BASE[:-1], BASE + "\n", BASE + "\n\n", BASE.upper(), " " + BASE])
 SUFFIX = st.text(st.characters(codec="utf-8"), max_size=12)
 PROMPTS = st.builds(lambda h, s, x: h + s + x, HEADS, SPECIAL, SUFFIX)
@@ -265,8 +300,11 @@ def test_any_field_values(pool: Pool, path: str, pool_slot: Any, prefix: Any, pr
     pool.reset()
     body = request_body(path, prompt, dict(zip(FIELDS, (pool_slot, prefix), strict=True)))  # None: JSON null
     resp = pool.post(path, body)
-    bad = [k for k, v in zip(FIELDS, (pool_slot, prefix), strict=True) if not (valid_pool_slot(v) if
-                                                                                k == FIELDS[0] else valid_prefix(v))]
+    bad = [
+        k
+        for k, v in zip(FIELDS, (pool_slot, prefix), strict=True)
+        if not (valid_pool_slot(v) if k == FIELDS[0] else valid_prefix(v))
+    ]
     if bad:
         assert resp.status_code == 400, (resp.status_code, resp.text[:300])
         message = error_message(resp.content)
@@ -286,8 +324,10 @@ def test_random_prompts_share_only_their_own_tokens(pool: Pool, prompt: str, dat
     toks = pool.client.prompt_tokens(prompt)
     common = common_prefix_len(pool.tokens, toks)
     edges = sorted({max(0, n + d) for n in (common, len(pool.tokens), len(toks)) for d in (-1, 0, 1)})
-    p = data.draw(st.one_of(st.sampled_from(edges), st.integers(0, max(0, min(common, len(toks)))),
-                            st.integers(0, INT32_MAX)), label="P")
+    p = data.draw(
+        st.one_of(st.sampled_from(edges), st.integers(0, max(0, min(common, len(toks)))), st.integers(0, INT32_MAX)),
+        label="P",
+    )
     path = data.draw(st.sampled_from(("/completion", "/v1/completions")), label="path")
     body = request_body(path, prompt, {"shared_pool_slot": POOL, "shared_prefix_n_tokens": p})
     tally("random_prompts", check_answer(pool, path, body, pool.post(path, body), SHARER))
@@ -320,8 +360,9 @@ def test_prompt_matching_the_pool_for_p_minus_1_tokens_is_a_mismatch(pool: Pool,
 def test_pool_equal_to_own_slot_is_self(pool: Pool, slot: int, suffix: str, p: int) -> None:
     """id_slot == shared_pool_slot: the request uses that slot's own cache and shares nothing."""
     pool.reset()
-    body = request_body("/completion", BASE + suffix, {"shared_pool_slot": slot, "shared_prefix_n_tokens": p},
-                        slot=slot)
+    body = request_body(
+        "/completion", BASE + suffix, {"shared_pool_slot": slot, "shared_prefix_n_tokens": p}, slot=slot
+    )
     status = check_answer(pool, "/completion", body, pool.post("/completion", body), slot)
     assert status == "self"
     tally("self", status)
@@ -339,8 +380,13 @@ class BusyPool:
         self.started = 0
 
     def _run(self) -> None:
-        body = {"prompt": BASE + "Tell a very long story:", "id_slot": POOL, "n_predict": 1500, "ignore_eos": True,
-                "temperature": 0}
+        body = {
+            "prompt": BASE + "Tell a very long story:",
+            "id_slot": POOL,
+            "n_predict": 1500,
+            "ignore_eos": True,
+            "temperature": 0,
+        }
         with Client(self.pool.server.url) as c:
             events = c.stream_events("/completion", body)
             try:
@@ -375,7 +421,7 @@ class BusyPool:
             time.sleep(0.05)
 
 
-@pytest.fixture()
+@pytest.fixture
 def busy(pool: Pool) -> Iterator[BusyPool]:
     b = BusyPool(pool)
     try:

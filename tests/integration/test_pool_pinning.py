@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from polykv_py.client import Client, aggregate_completion
+from polykv_py.client import COMPLETION, Client, Share, aggregate
 from polykv_py.errors import ServerError
 from polykv_py.harness.compare import compare_greedy
 from polykv_py.server import LlamaServer
@@ -34,18 +34,13 @@ def text_of(c: Client, n_tokens: int, seed: int) -> str:
     return out
 
 
-def prime(c: Client, prompt: str, slot: int = 0) -> None:
-    c.completion(prompt, id_slot=slot, n_predict=1, **GREEDY)
-
-
 def pool_tokens(c: Client, slot: int = 0) -> int:
     return int(next(s for s in c.slots() if s["id"] == slot).get("n_prompt_tokens", 0))
 
 
 def share(c: Client, base: str, question: str, **params: Any) -> dict[str, Any]:
-    p = c.shared_prefix_len(base, base + question)
-    return c.completion(base + question, shared_pool_slot=0, shared_prefix_n_tokens=p,
-                        **{"n_predict": 4, **GREEDY, **params})
+    """A sharer of the pool in slot 0 asking ``question`` after ``base``."""
+    return c.share(base, base + question, **{"n_predict": 4, **GREEDY, **params})
 
 
 def start(bin_: Path, model: Path, logs: Path, name: str, args: list[str]) -> LlamaServer:
@@ -59,14 +54,15 @@ def logs(tmp_path: Path) -> Path:
 
 # ----------------------------------------------------------------- idle-slot caching
 @pytest.mark.parametrize("reserved", [True, False], ids=["reserved", "control"])
-def test_pool_survives_idle_slot_caching(reserved: bool, patched_server_bin: Path, model_path: Path,
-                                         logs: Path) -> None:
+def test_pool_survives_idle_slot_caching(
+    reserved: bool, patched_server_bin: Path, model_path: Path, logs: Path
+) -> None:
     """Upstream's defaults (host cache on, idle slots saved and cleared): only a reserved pool stays."""
     args = ["-kvu", "-np", "3", "-c", "4096", "--slots"] + (["--pool-slots", "0"] if reserved else [])
     with start(patched_server_bin, model_path, logs, "idle-cache", args) as srv:
         c = srv.client
         base = text_of(c, 300, 1)
-        prime(c, base)
+        c.prime(base, 0, n_predict=1)
         # any other task launching triggers [TAG_IDLE_SLOT_CLEAR] for every idle slot
         c.completion("Unrelated: name a color.", n_predict=2, **GREEDY)
         out = share(c, base, "\nQuestion: which shelf holds item 8? Answer:")
@@ -85,15 +81,16 @@ def test_pool_survives_idle_slot_caching(reserved: bool, patched_server_bin: Pat
 
 # ----------------------------------------------------------------- purge for room
 @pytest.mark.parametrize("reserved", [True, False], ids=["reserved", "control"])
-def test_pool_not_purged_when_kv_runs_out(reserved: bool, patched_server_bin: Path, model_path: Path,
-                                          logs: Path) -> None:
+def test_pool_not_purged_when_kv_runs_out(
+    reserved: bool, patched_server_bin: Path, model_path: Path, logs: Path
+) -> None:
     """Unified KV full: upstream purges idle slots in id order (the pool first); a reserved pool is skipped."""
     args = ["-kvu", "-np", "3", "-c", "1024", "-b", "256", "-ub", "256", "--cache-ram", "0", "--slots"]
     args += ["--pool-slots", "0"] if reserved else []
     with start(patched_server_bin, model_path, logs, "purge", args) as srv:
         c = srv.client
         base = text_of(c, 400, 2)
-        prime(c, base)
+        c.prime(base, 0, n_predict=1)
         c.completion(text_of(c, 380, 3), id_slot=1, n_predict=1, **GREEDY)  # idle afterwards, ~381 cells
         # 400 + 381 cells in use: a 360-token prompt does not fit without purging an idle slot
         out = c.completion(text_of(c, 360, 4), id_slot=2, n_predict=1, **GREEDY)
@@ -109,19 +106,21 @@ def test_pool_not_purged_when_kv_runs_out(reserved: bool, patched_server_bin: Pa
 
 
 # ----------------------------------------------------------------- scheduling
-def test_unpinned_requests_never_run_on_a_reserved_pool(patched_server_bin: Path, model_path: Path,
-                                                        logs: Path) -> None:
+def test_unpinned_requests_never_run_on_a_reserved_pool(patched_server_bin: Path, model_path: Path, logs: Path) -> None:
     """More concurrent unpinned requests than free slots wait for a free slot; none lands on the pool."""
     args = ["-kvu", "-np", "3", "-c", "4096", "--cache-ram", "0", "--slots", "--pool-slots", "0"]
     with start(patched_server_bin, model_path, logs, "sched", args) as srv:
         c = srv.client
         base = text_of(c, 200, 5)
-        prime(c, base)
+        c.prime(base, 0, n_predict=1)
 
         async def burst() -> list[dict[str, Any]]:
             async with srv.async_client() as ac:
-                return list(await asyncio.gather(*[
-                    ac.completion(f"Task {i}: count to {i + 3}.", n_predict=6, **GREEDY) for i in range(6)]))
+                return list(
+                    await asyncio.gather(
+                        *[ac.completion(f"Task {i}: count to {i + 3}.", n_predict=6, **GREEDY) for i in range(6)]
+                    )
+                )
 
         outs = asyncio.run(burst())
         assert sorted({o["id_slot"] for o in outs}) == [1, 2]
@@ -131,16 +130,26 @@ def test_unpinned_requests_never_run_on_a_reserved_pool(patched_server_bin: Path
         assert out["id_slot"] != 0
 
 
-@pytest.mark.parametrize(("value", "message"), [
-    ("0,x", "'x' is not a slot id"),
-    ("0,0", "listed twice"),
-    ("3", "slot 3 does not exist"),
-    ("0,1,2", "all 3 slots are reserved"),
-])
-def test_bad_pool_slots_stop_the_server_with_a_reason(value: str, message: str, patched_server_bin: Path,
-                                                      model_path: Path, logs: Path) -> None:
-    srv = LlamaServer(patched_server_bin, model_path, ["-np", "3", "-c", "1024", "--pool-slots", value],
-                      log_dir=logs, name="bad-pool", start_timeout=60)
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("0,x", "'x' is not a slot id"),
+        ("0,0", "listed twice"),
+        ("3", "slot 3 does not exist"),
+        ("0,1,2", "all 3 slots are reserved"),
+    ],
+)
+def test_bad_pool_slots_stop_the_server_with_a_reason(
+    value: str, message: str, patched_server_bin: Path, model_path: Path, logs: Path
+) -> None:
+    srv = LlamaServer(
+        patched_server_bin,
+        model_path,
+        ["-np", "3", "-c", "1024", "--pool-slots", value],
+        log_dir=logs,
+        name="bad-pool",
+        start_timeout=60,
+    )
     with pytest.raises(ServerError) as err:
         srv.start()
     assert message in str(err.value)
@@ -155,12 +164,26 @@ def test_reference_server_refuses_pool_slots(model_path: Path, logs: Path) -> No
 
 # ----------------------------------------------------------------- re-priming under sharers
 @pytest.fixture(scope="module")
-def pool_server(patched_server_bin: Path, model_path: Path,
-                tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
-    args = ["-kvu", "-np", "4", "-c", "4096", "--cache-ram", "0", "--slots", "--pool-slots", "0",
-            "--slot-save-path", str(tmp_path_factory.mktemp("slots"))]
-    with LlamaServer(patched_server_bin, model_path, args, log_dir=tmp_path_factory.mktemp("reprime"),
-                     name="reprime") as srv:
+def pool_server(
+    patched_server_bin: Path, model_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LlamaServer]:
+    args = [
+        "-kvu",
+        "-np",
+        "4",
+        "-c",
+        "4096",
+        "--cache-ram",
+        "0",
+        "--slots",
+        "--pool-slots",
+        "0",
+        "--slot-save-path",
+        str(tmp_path_factory.mktemp("slots")),
+    ]
+    with LlamaServer(
+        patched_server_bin, model_path, args, log_dir=tmp_path_factory.mktemp("reprime"), name="reprime"
+    ) as srv:
         yield srv
 
 
@@ -177,13 +200,18 @@ def _sharers(srv: LlamaServer, base: str, on_first_token: threading.Event | None
     def run(i: int) -> None:
         with Client(srv.url, server=srv) as own:
             chunks = []
-            for ev in own.stream_events("/completion", {
-                "prompt": base + QUESTIONS[i], "id_slot": i + 1, "shared_pool_slot": 0,
-                "shared_prefix_n_tokens": p, "n_predict": 40, "n_probs": 2, "stream": True, **GREEDY,
-            }):
+            body = {
+                "prompt": base + QUESTIONS[i],
+                "id_slot": i + 1,
+                **Share(0, p).fields(),
+                "n_predict": 40,
+                "n_probs": 2,
+                **GREEDY,
+            }
+            for ev in own.stream_events(COMPLETION, body):
                 chunks.append(ev)
                 started[i].set()
-            results[i] = aggregate_completion(chunks)
+            results[i] = aggregate(COMPLETION, chunks)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
     for t in threads:
@@ -203,20 +231,20 @@ def test_repriming_the_pool_does_not_disturb_running_sharers(pool_server: LlamaS
 
     # reference: the two sharers alone over pool A
     for s in range(4):
-        c.request("POST", f"/slots/{s}?action=erase")
-    prime(c, base_a)
+        c.erase_slot(s)
+    c.prime(base_a, 0, n_predict=1)
     calm = _sharers(pool_server, base_a, None)
     assert [r["shared_prefix"]["status"] for r in calm] == ["hit", "hit"]
 
     # again, and re-prime the pool with B while both are generating
     for s in (1, 2):
-        c.request("POST", f"/slots/{s}?action=erase")
+        c.erase_slot(s)
     go = threading.Event()
     reprimed: dict[str, Any] = {}
 
     def reprime() -> None:
         go.wait(120)
-        reprimed.update(c.completion(base_b, id_slot=0, n_predict=1, **GREEDY))
+        reprimed.update(c.prime(base_b, 0, n_predict=1))
 
     t = threading.Thread(target=reprime)
     t.start()
@@ -225,11 +253,11 @@ def test_repriming_the_pool_does_not_disturb_running_sharers(pool_server: LlamaS
 
     assert reprimed["tokens_evaluated"] == 500 and reprimed["id_slot"] == 0
     assert [r["shared_prefix"]["status"] for r in stormy] == ["hit", "hit"]
-    for before, during in zip(calm, stormy):
+    for before, during in zip(calm, stormy, strict=True):
         cmp = compare_greedy(before, during)
         assert cmp.ok, cmp.detail  # the shared cells still held A's KV while B was written
     # the pool now serves B, and refuses A's prompts as a mismatch
     assert share(c, base_b, QUESTIONS[0])["shared_prefix"]["status"] == "hit"
-    c.request("POST", "/slots/3?action=erase")  # a slot without A cached (else: own_cache)
+    c.erase_slot(3)  # a slot without A cached (else: own_cache)
     refused = share(c, base_a, QUESTIONS[0], id_slot=3)["shared_prefix"]
     assert refused["status"] == "mismatch" and refused["common"] < 5, refused

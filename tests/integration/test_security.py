@@ -24,7 +24,7 @@ import httpx
 import psutil
 import pytest
 
-from polykv_py.client import Client
+from polykv_py.client import Client, Share
 from polykv_py.errors import HTTPError
 from polykv_py.fanout import Agent, BaseContext, run_fanout
 from polykv_py.presets import POOL_SERVER_ARGS
@@ -41,8 +41,9 @@ def key() -> str:
 
 
 @pytest.fixture(scope="module")
-def secured(patched_server_bin: Path, model_path: Path, key: str,
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LlamaServer, str]]:
+def secured(
+    patched_server_bin: Path, model_path: Path, key: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[LlamaServer, str]]:
     logs = tmp_path_factory.mktemp("security-logs")
     caplog_handler = _Capture()
     logger = logging.getLogger("polykv_py.server")
@@ -52,8 +53,9 @@ def secured(patched_server_bin: Path, model_path: Path, key: str,
     args = [*POOL_SERVER_ARGS, "-np", "3", "-c", "512", "--slot-save-path", str(logs)]
     env = {"LLAMA_SERVER_SLOTS_DEBUG": "0"}  # whatever this environment says: /slots without prompt texts
     try:
-        with LlamaServer(patched_server_bin, model_path, args, api_key=key, threads=1, log_dir=logs, name="secured",
-                         env=env) as srv:
+        with LlamaServer(
+            patched_server_bin, model_path, args, api_key=key, threads=1, log_dir=logs, name="secured", env=env
+        ) as srv:
             yield srv, caplog_handler.text()
     finally:
         logger.removeHandler(caplog_handler)
@@ -73,9 +75,21 @@ class _Capture(logging.Handler):
 
 
 PROTECTED: list[tuple[str, str, dict[str, Any] | None]] = [
-    ("POST", "/completion", {"prompt": BASE + "Q?", "n_predict": 1, "shared_pool_slot": 0, "shared_prefix_n_tokens": 8}),
-    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
-                                      "shared_pool_slot": 0, "shared_prefix_n_tokens": 8}),
+    (
+        "POST",
+        "/completion",
+        {"prompt": BASE + "Q?", "n_predict": 1, "shared_pool_slot": 0, "shared_prefix_n_tokens": 8},
+    ),
+    (
+        "POST",
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 1,
+            "shared_pool_slot": 0,
+            "shared_prefix_n_tokens": 8,
+        },
+    ),
     ("GET", "/slots", None),
     ("POST", "/slots/0?action=erase", {}),
     ("GET", "/metrics", None),
@@ -86,8 +100,9 @@ PROTECTED: list[tuple[str, str, dict[str, Any] | None]] = [
 
 @pytest.mark.parametrize(("method", "path", "body"), PROTECTED, ids=[f"{m} {p}" for m, p, _ in PROTECTED])
 @pytest.mark.parametrize("who", ["no key", "wrong key"])
-def test_requests_without_the_key_are_401(secured: tuple[LlamaServer, str], method: str, path: str,
-                                          body: dict[str, Any] | None, who: str) -> None:
+def test_requests_without_the_key_are_401(
+    secured: tuple[LlamaServer, str], method: str, path: str, body: dict[str, Any] | None, who: str
+) -> None:
     srv, _ = secured
     with Client(srv.url, api_key=None if who == "no key" else "sk-wrong") as anon, pytest.raises(HTTPError) as info:
         anon.request(method, path, body)
@@ -99,8 +114,10 @@ def test_the_key_holder_shares_and_the_key_stays_out_of_logs(secured: tuple[Llam
     srv, polykv_log = secured
     with Client(srv.url) as anon:
         assert anon.health() == {"status": "ok"}  # /health stays public (readiness probes)
-    agents = [Agent("Q: what is the code name? A:", params={"n_predict": 2, "temperature": 0.0}),
-              Agent("Q: what is the budget? A:", params={"n_predict": 2, "temperature": 0.0})]
+    agents = [
+        Agent("Q: what is the code name? A:", params={"n_predict": 2, "temperature": 0.0}),
+        Agent("Q: what is the budget? A:", params={"n_predict": 2, "temperature": 0.0}),
+    ]
     res = run_fanout(BaseContext.from_text(BASE), agents, server=srv)  # the server's key, passed through
     assert [a.status for a in res.agents] == ["hit", "hit"], res.statuses
     # /slots (key holders only) shows each slot's token count, sampling parameters and activity, not the
@@ -118,8 +135,14 @@ def test_no_slots_and_the_cors_default(patched_server_bin: Path, model_path: Pat
     """--no-slots turns /slots off. And loopback is not private from a web browser: llama-server's CORS
     default reflects any Origin, so a page from any site can call an unkeyed local server and read the
     answer (--cors-origins localhost or an API key closes that; docs/security.md)."""
-    with LlamaServer(patched_server_bin, model_path, ["-c", "256", "-np", "2", "--no-slots"], threads=1, log_dir=tmp_path,
-                     name="no-slots") as srv:
+    with LlamaServer(
+        patched_server_bin,
+        model_path,
+        ["-c", "256", "-np", "2", "--no-slots"],
+        threads=1,
+        log_dir=tmp_path,
+        name="no-slots",
+    ) as srv:
         with pytest.raises(HTTPError) as info:
             srv.client.slots()
         assert info.value.status == 501 and "slots endpoint" in info.value.server_message
@@ -136,17 +159,21 @@ def test_any_slot_can_be_named_but_only_presented_tokens_are_shared(secured: tup
     srv, _ = secured
     c = srv.client
     private = "User B private: my locker code is 7314 and I leave at noon."
-    c.completion(private, id_slot=2, n_predict=0, cache_prompt=True)  # client B's conversation in slot 2
+    c.prime(private, 2)  # client B's conversation in slot 2
     b_tokens = c.prompt_tokens(private)
     guess = "User B private: my locker code is 1111 and"
     g_tokens = c.prompt_tokens(guess)
     matched = next(i for i, (x, y) in enumerate(zip(b_tokens, g_tokens, strict=False)) if x != y)
-    c.request("POST", "/slots/1?action=erase")  # client A's slot: no cache of its own
-    res = c.completion(guess, id_slot=1, n_predict=1, shared_pool_slot=2, shared_prefix_n_tokens=len(g_tokens))
-    assert res["shared_prefix"] == {"pool_slot": 2, "requested": len(g_tokens), "shared": 0, "status": "mismatch",
-                                    "common": matched}
+    c.erase_slot(1)  # client A's slot: no cache of its own
+    res = c.completion(guess, id_slot=1, n_predict=1, share=Share(2, len(g_tokens)))
+    assert res["shared_prefix"] == {
+        "pool_slot": 2,
+        "requested": len(g_tokens),
+        "shared": 0,
+        "status": "mismatch",
+        "common": matched,
+    }
     assert res["timings"]["prompt_n"] == len(g_tokens)  # computed itself: nothing of B's KV was used
-    c.request("POST", "/slots/1?action=erase")
-    same = c.completion(private + " Q:", id_slot=1, n_predict=1, shared_pool_slot=2,
-                        shared_prefix_n_tokens=len(b_tokens) - 1)
+    c.erase_slot(1)
+    same = c.completion(private + " Q:", id_slot=1, n_predict=1, share=Share(2, len(b_tokens) - 1))
     assert same["shared_prefix"]["status"] == "hit"  # only because it presented B's exact tokens

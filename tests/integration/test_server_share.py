@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from polykv_py.client import Client
+from polykv_py.client import Client, Share
 from polykv_py.errors import HTTPError
 from polykv_py.server import LlamaServer
 
@@ -77,17 +77,14 @@ QUESTIONS = [
 
 def erase_all(c: Client) -> None:
     for s in range(N_SLOTS):
-        c.request("POST", f"/slots/{s}?action=erase")
-
-
-def prime(c: Client, prompt: str, slot: int = 0) -> dict[str, Any]:
-    return c.completion(prompt, id_slot=slot, n_predict=0, cache_prompt=True)
+        c.erase_slot(s)
 
 
 def share(c: Client, prompt: str, p: int, slot: int | None = 1, pool: int = 0, **params: Any) -> dict[str, Any]:
+    """A sharer asking for P = ``p`` (right or wrong: the server must check it)."""
     if slot is not None:
         params["id_slot"] = slot
-    return c.completion(prompt, shared_pool_slot=pool, shared_prefix_n_tokens=p, **{**GEN, **params})
+    return c.completion(prompt, share=Share(pool, p), **{**GEN, **params})
 
 
 def strip(x: Any) -> Any:
@@ -135,13 +132,13 @@ def reference(upstream_server_bin: Path, model_path: Path, logs: Path) -> Iterat
         srv.stop()
 
 
-@pytest.fixture()
+@pytest.fixture
 def pc(patched: LlamaServer) -> Client:
     erase_all(patched.client)
     return patched.client
 
 
-@pytest.fixture()
+@pytest.fixture
 def rc(reference: LlamaServer) -> Client:
     erase_all(reference.client)
     return reference.client
@@ -157,13 +154,13 @@ def test_hit_is_byte_identical_to_reference_own_cache(pc: Client, rc: Client, qi
     n_prompt = len(pc.prompt_tokens(prompt))
     assert p == len(pc.prompt_tokens(BASE))
 
-    prime(pc, BASE)
+    pc.prime(BASE, 0)
     got = share(pc, prompt, p)
     assert got["shared_prefix"] == {"pool_slot": 0, "requested": p, "shared": p, "status": "hit"}
     assert got["timings"]["prompt_n"] == n_prompt - p
     assert got["tokens_evaluated"] == n_prompt
 
-    prime(rc, BASE)
+    rc.prime(BASE, 0)
     ref = rc.completion(prompt, id_slot=0, **GEN)
     assert ref["timings"]["prompt_n"] == n_prompt - p
     same_answer(got, ref)
@@ -171,7 +168,7 @@ def test_hit_is_byte_identical_to_reference_own_cache(pc: Client, rc: Client, qi
 
 def test_whole_prompt_shared_evaluates_one_token(pc: Client) -> None:
     p = len(pc.prompt_tokens(BASE))
-    prime(pc, BASE)
+    pc.prime(BASE, 0)
     got = share(pc, BASE, p)
     assert got["shared_prefix"] == {"pool_slot": 0, "requested": p, "shared": p - 1, "status": "hit"}
     assert got["timings"]["prompt_n"] == 1
@@ -208,7 +205,7 @@ def test_p_from_tokenized_base_alone_is_refused(pc: Client, rc: Client) -> None:
     right_p = pc.shared_prefix_len(BASE_NN, prompt)
     assert right_p == wrong_p - 1
 
-    prime(pc, BASE_NN)
+    pc.prime(BASE_NN, 0)
     got = share(pc, prompt, wrong_p)
     assert got["shared_prefix"] == {
         "pool_slot": 0,
@@ -219,13 +216,13 @@ def test_p_from_tokenized_base_alone_is_refused(pc: Client, rc: Client) -> None:
     }
     assert got["timings"]["prompt_n"] == len(pc.prompt_tokens(prompt))
 
-    prime(rc, BASE_NN)
+    rc.prime(BASE_NN, 0)
     ref = rc.completion(prompt, id_slot=1, **GEN)  # same: an empty slot, whole prompt processed
     same_answer(got, ref)
 
 
 def test_other_text_is_refused(pc: Client) -> None:
-    prime(pc, BASE)
+    pc.prime(BASE, 0)
     other = "Completely different text about cooking pasta. " * 20 + QUESTIONS[0]
     got = share(pc, other, 100)
     assert got["shared_prefix"]["status"] == "mismatch"
@@ -234,7 +231,7 @@ def test_other_text_is_refused(pc: Client) -> None:
 
 
 def test_not_resident_when_pool_shorter(pc: Client) -> None:
-    prime(pc, BASE)
+    pc.prime(BASE, 0)
     got = share(pc, BASE + QUESTIONS[0], 10**6)  # clamped to the prompt, longer than the pool
     assert got["shared_prefix"]["status"] == "not_resident"
     assert got["shared_prefix"]["requested"] == 10**6 and got["shared_prefix"]["shared"] == 0
@@ -243,20 +240,20 @@ def test_not_resident_when_pool_shorter(pc: Client) -> None:
 def test_own_cache_self_and_no_prefix(pc: Client) -> None:
     prompt = BASE + QUESTIONS[0]
     p = pc.shared_prefix_len(BASE, prompt)
-    prime(pc, BASE)
+    pc.prime(BASE, 0)
     assert share(pc, prompt, p)["shared_prefix"]["status"] == "hit"
     again = share(pc, prompt, p)
     assert again["shared_prefix"] == {"pool_slot": 0, "requested": p, "shared": 0, "status": "own_cache"}
     assert share(pc, prompt, p, slot=0)["shared_prefix"]["status"] == "self"
     assert share(pc, prompt, 0, slot=2)["shared_prefix"]["status"] == "no_prefix"
-    empty = pc.completion("", shared_pool_slot=0, shared_prefix_n_tokens=5, n_predict=1)
+    empty = pc.completion("", share=Share(0, 5), n_predict=1)
     assert empty["shared_prefix"]["status"] == "skipped"
 
 
 def test_pool_busy(pc: Client) -> None:
     prompt = BASE + QUESTIONS[0]
     p = pc.shared_prefix_len(BASE, prompt)
-    prime(pc, BASE)
+    pc.prime(BASE, 0)
     busy = threading.Thread(
         target=pc.completion,
         args=(BASE + "\nWrite a long story:",),
@@ -299,13 +296,13 @@ def test_invalid_values_are_400_naming_the_field(patched: LlamaServer, endpoint:
     call = getattr(c, endpoint)
     first = [{"role": "user", "content": "hi"}] if endpoint == "chat" else "hi"
     with pytest.raises(HTTPError) as info:
-        call(first, extra=body, max_tokens=1)
+        call(first, max_tokens=1, **body)
     assert info.value.status == 400
     assert field in info.value.server_message
 
 
 def test_null_means_absent(pc: Client) -> None:
-    res = pc.completion("hi", extra={"shared_pool_slot": None, "shared_prefix_n_tokens": None}, n_predict=1)
+    res = pc.completion("hi", shared_pool_slot=None, shared_prefix_n_tokens=None, n_predict=1)
     assert "shared_prefix" not in res
 
 
@@ -315,20 +312,14 @@ def test_null_means_absent(pc: Client) -> None:
 def test_report_in_streams_and_oai_endpoints(pc: Client) -> None:
     prompt = BASE + QUESTIONS[0]
     p = pc.shared_prefix_len(BASE, prompt)
-    prime(pc, BASE)
-    st = pc.completion_stream(
-        prompt, shared_pool_slot=0, shared_prefix_n_tokens=p, id_slot=1, n_predict=6, temperature=0
-    )
+    pc.prime(BASE, 0)
+    st = pc.completion_stream(prompt, share=Share(0, p), id_slot=1, n_predict=6, temperature=0)
     assert st.chunks[-1]["shared_prefix"]["status"] == "hit"
     assert not any("shared_prefix" in ch for ch in st.chunks[:-1])
 
-    oai = pc.oai_completion(
-        prompt, shared_pool_slot=0, shared_prefix_n_tokens=p, id_slot=2, max_tokens=6, temperature=0
-    )
+    oai = pc.oai_completion(prompt, share=Share(0, p), id_slot=2, max_tokens=6, temperature=0)
     assert oai["shared_prefix"]["status"] == "hit"
-    ost = pc.oai_completion_stream(
-        prompt, shared_pool_slot=0, shared_prefix_n_tokens=p, id_slot=3, max_tokens=6, temperature=0
-    )
+    ost = pc.oai_completion_stream(prompt, share=Share(0, p), id_slot=3, max_tokens=6, temperature=0)
     assert ost.chunks[-1]["shared_prefix"]["status"] == "hit"
     assert not any("shared_prefix" in ch for ch in ost.chunks[:-1])
 
@@ -336,14 +327,13 @@ def test_report_in_streams_and_oai_endpoints(pc: Client) -> None:
     pool_msgs = [{"role": "system", "content": BASE}]
     msgs = [*pool_msgs, {"role": "user", "content": "What does fact 3 say?"}]
     pc_ = pc.shared_prefix_len(pc.apply_template(pool_msgs), pc.apply_template(msgs))
-    prime(pc, pc.apply_template(pool_msgs))
-    chat = pc.chat(msgs, shared_pool_slot=0, shared_prefix_n_tokens=pc_, id_slot=1, max_tokens=6, temperature=0)
+    pc.prime(pc.apply_template(pool_msgs), 0)
+    chat = pc.chat(msgs, share=Share(0, pc_), id_slot=1, max_tokens=6, temperature=0)
     assert chat["shared_prefix"] == {"pool_slot": 0, "requested": pc_, "shared": pc_, "status": "hit"}
     assert chat["timings"]["prompt_n"] == chat["usage"]["prompt_tokens"] - pc_
     cst = pc.chat_stream(
         msgs,
-        shared_pool_slot=0,
-        shared_prefix_n_tokens=pc_,
+        share=Share(0, pc_),
         id_slot=2,
         max_tokens=6,
         temperature=0,
@@ -357,7 +347,7 @@ def test_metrics(pc: Client) -> None:
     before = pc.metrics()
     prompt = BASE + QUESTIONS[1]
     p = pc.shared_prefix_len(BASE, prompt)
-    prime(pc, BASE)
+    pc.prime(BASE, 0)
     share(pc, prompt, p)
     share(pc, prompt, p + 50, slot=2)  # not_resident
     after = pc.metrics()
@@ -379,7 +369,7 @@ def test_without_fields_identical_to_reference(pc: Client, rc: Client) -> None:
     msgs = [{"role": "system", "content": BASE}, {"role": "user", "content": "What does fact 3 say?"}]
 
     def session(c: Client) -> list[Any]:
-        out: list[Any] = [prime(c, BASE)]
+        out: list[Any] = [c.prime(BASE, 0)]
         out.append(c.completion(BASE + QUESTIONS[0], id_slot=1, **GEN))
         out.append(c.completion(BASE + QUESTIONS[1], **GEN))
         out.append(c.oai_completion(BASE + QUESTIONS[2], max_tokens=6, temperature=0, logprobs=2))
@@ -404,12 +394,12 @@ def test_default_idle_caching_evicts_pool_not_resident(
     with start(patched_server_bin, model_path, ["-kvu"], logs, "patched-default") as srv:
         c = srv.client
         p = c.shared_prefix_len(BASE, prompt)
-        prime(c, BASE)
+        c.prime(BASE, 0)
         got = share(c, prompt, p)
         assert got["shared_prefix"]["status"] == "not_resident"
         assert got["timings"]["prompt_n"] == len(c.prompt_tokens(prompt))
     with start(upstream_server_bin, model_path, ["-kvu"], logs, "upstream-default") as srv:
-        prime(srv.client, BASE)
+        srv.client.prime(BASE, 0)
         ref = srv.client.completion(prompt, id_slot=1, **GEN)
     same_answer(got, ref)
 

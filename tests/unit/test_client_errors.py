@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from polykv_py.client import AsyncClient, Client
+from polykv_py.client import AsyncClient, Client, Share
 from polykv_py.errors import HTTPError, ServerUnavailableError
 
 
@@ -68,10 +68,12 @@ def test_request_bodies_carry_pool_fields_and_extra() -> None:
         return httpx.Response(200, json={"content": "", "tokens": []})
 
     client = Client("http://srv", api_key="k", transport=httpx.MockTransport(record))
-    client.completion("p", n_predict=8, shared_pool_slot=0, shared_prefix_n_tokens=12, extra={"id_slot": 2})
-    client.completion("p", extra={"shared_pool_slot": 1})
+    client.completion("p", n_predict=8, share=Share(0, 12), id_slot=2)
+    client.completion("p", shared_pool_slot=1)  # raw fields (any value) go through the parameters
+    client.completion("p", share=Share(3), shared_pool_slot=1)  # the share wins
     assert seen[0] == {"prompt": "p", "n_predict": 8, "shared_pool_slot": 0, "shared_prefix_n_tokens": 12, "id_slot": 2}
     assert seen[1] == {"prompt": "p", "shared_pool_slot": 1}
+    assert seen[2] == {"prompt": "p", "shared_pool_slot": 3}
 
 
 def test_api_key_header() -> None:
@@ -86,8 +88,10 @@ def test_api_key_header() -> None:
 
 
 def test_async_client_stream_and_errors() -> None:
-    body = 'data: {"choices":[{"index":0,"delta":{"content":"A"},"finish_reason":null}]}\n\n' \
-           'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n'
+    body = (
+        'data: {"choices":[{"index":0,"delta":{"content":"A"},"finish_reason":null}]}\n\n'
+        'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n'
+    )
 
     def handler(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/v1/chat/completions":
@@ -104,3 +108,82 @@ def test_async_client_stream_and_errors() -> None:
             assert info.value.status == 404
 
     asyncio.run(main())
+
+
+def pool_server(seen: list[tuple[str, object]]) -> httpx.MockTransport:
+    """Records (path with query, body); tokenizes one token per character."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else None
+        seen.append((f"{request.url.path}{'?' + request.url.query.decode() if request.url.query else ''}", body))
+        if request.url.path == "/tokenize":
+            return httpx.Response(200, json={"tokens": [ord(c) for c in body["content"]]})
+        return httpx.Response(200, json={"ok": True})
+
+    return httpx.MockTransport(handler)
+
+
+POOL_STEPS = [
+    ("/completion", {"prompt": "base", "n_predict": 0, "id_slot": 0, "cache_prompt": True, "temperature": 0.0}),
+    ("/completion", {"prompt": [1, 2], "n_predict": 1, "cache_prompt": True, "temperature": 0.0}),
+    ("/slots/2?action=erase", {}),
+    ("/tokenize", {"content": "base", "add_special": True, "parse_special": True}),
+    ("/tokenize", {"content": "base, and more", "add_special": True, "parse_special": True}),
+    ("/completion", {"prompt": "base, and more", "id_slot": 1, "shared_pool_slot": 0, "shared_prefix_n_tokens": 4}),
+]
+
+
+def test_pool_steps_sync_and_async_send_the_same_requests() -> None:
+    seen: list[tuple[str, object]] = []
+    with Client("http://srv", transport=pool_server(seen)) as client:
+        client.prime("base", 0)
+        client.prime([1, 2], None, n_predict=1)
+        client.erase_slot(2)
+        client.share("base", "base, and more", id_slot=1)
+    assert seen == POOL_STEPS
+
+    async def main() -> None:
+        async with AsyncClient("http://srv", transport=pool_server(seen)) as client:
+            await client.prime("base", 0)
+            await client.prime([1, 2], None, n_predict=1)
+            await client.erase_slot(2)
+            await client.share("base", "base, and more", id_slot=1)
+
+    seen.clear()
+    asyncio.run(main())
+    assert seen == POOL_STEPS
+
+
+def test_async_failure_waits_for_the_exit_without_blocking_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a failed request waits for the server process to report its exit, other tasks run."""
+    from polykv_py import client as client_module
+
+    monkeypatch.setattr(client_module, "EXIT_WAIT_S", 0.3)
+
+    class Running(FakeServer):
+        returncode = None  # type: ignore[assignment]
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    async def main() -> tuple[int, ServerUnavailableError]:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.01)
+
+        task = asyncio.ensure_future(ticker())
+        async with AsyncClient("http://srv", transport=httpx.MockTransport(refuse), server=Running()) as client:
+            try:
+                await client.health()
+            except ServerUnavailableError as exc:
+                error = exc
+        task.cancel()
+        return ticks, error
+
+    ticks, error = asyncio.run(main())
+    assert ticks >= 10, ticks  # ~30 in 0.3 s; a blocking sleep would leave the ticker at 1
+    assert "server process still running" in str(error) and error.exit_status is None

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import AsyncIterator
 
 import pytest
 from hypothesis import given
@@ -10,8 +12,10 @@ from hypothesis import strategies as st
 
 from polykv_py.client import (
     SSEDecoder,
+    aggregate,
     aggregate_completion,
     aggregate_oai,
+    aparse_sse,
     error_message,
     parse_metrics,
     parse_sse,
@@ -84,8 +88,13 @@ def test_aggregate_completion_concatenates_and_keeps_final_fields() -> None:
     chunks = [
         {"content": "Hel", "tokens": [1], "stop": False, "completion_probabilities": [{"id": 1}]},
         {"content": "lo", "tokens": [2], "stop": False, "completion_probabilities": [{"id": 2}]},
-        {"content": "", "tokens": [], "stop": True, "timings": {"prompt_n": 5},
-         "shared_prefix": {"status": "hit", "shared": 4}},
+        {
+            "content": "",
+            "tokens": [],
+            "stop": True,
+            "timings": {"prompt_n": 5},
+            "shared_prefix": {"status": "hit", "shared": 4},
+        },
     ]
     final = aggregate_completion(chunks)
     assert final["content"] == "Hello"
@@ -132,3 +141,34 @@ def test_aggregate_oai_text_two_choices() -> None:
 )
 def test_common_prefix_len(a: list[int], b: list[int], n: int) -> None:
     assert common_prefix_len(a, b) == n
+
+
+async def _alines(lines: list[str]) -> AsyncIterator[str]:
+    for line in lines:
+        yield line
+
+
+@pytest.mark.parametrize(
+    "lines",
+    [
+        [":", "", *sse({"a": 1}), "event: message", *sse({"b": 2}), "data: [DONE]", "", *sse({"c": 3})],
+        ['data: {"a":', "data: 1}", "", 'data: {"b": 2}'],
+        ['data:{"x": "y"}\r', "\r"],
+        [],
+    ],
+)
+def test_aparse_sse_is_parse_sse_over_async_lines(lines: list[str]) -> None:
+    async def collect() -> list[dict[str, object]]:
+        return [event async for event in aparse_sse(_alines(lines))]
+
+    assert asyncio.run(collect()) == list(parse_sse(lines))
+
+
+def test_aggregate_by_endpoint_copies_the_chunks() -> None:
+    chunks = [{"content": "a", "tokens": [1], "timings": {"prompt_n": 1}}]
+    final = aggregate("/completion", chunks)
+    final["timings"]["prompt_n"] = 99
+    assert chunks[0]["timings"] == {"prompt_n": 1}
+    chat = [{"choices": [{"index": 0, "delta": {"content": "x"}}]}]
+    assert aggregate("/v1/chat/completions", chat) == aggregate_oai(chat, chat=True)
+    assert aggregate("/v1/completions", []) == {"choices": [], "object": "text_completion"}

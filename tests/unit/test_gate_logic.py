@@ -2,23 +2,24 @@
 
 from __future__ import annotations
 
+from polykv_py.harness.answers import SHARE_FIELDS, VOLATILE_FIELDS, compare, first_difference, strip_fields
 from polykv_py.harness.gate import (
-    SHARE_FIELDS,
-    VOLATILE_FIELDS,
     Sharer,
     _sharer_verdict,
     build_base,
-    compare,
     default_output_cases,
-    first_difference,
     first_token_logprob_diff,
-    strip_fields,
 )
 
 
 def answer(content: str, **extra: object) -> dict[str, object]:
-    return {"content": content, "id_slot": 1, "timings": {"cache_n": 3, "prompt_n": 5, "prompt_ms": 1.5,
-                                                          "predicted_ms": 9.0}, "created": 1, **extra}
+    return {
+        "content": content,
+        "id_slot": 1,
+        "timings": {"cache_n": 3, "prompt_n": 5, "prompt_ms": 1.5, "predicted_ms": 9.0},
+        "created": 1,
+        **extra,
+    }
 
 
 def test_volatile_fields_are_removed_and_nothing_else() -> None:
@@ -34,8 +35,9 @@ def test_volatile_fields_are_removed_and_nothing_else() -> None:
 def test_extra_field_or_order_is_a_difference() -> None:
     ok, diff = compare(answer("x", shared_prefix={"status": "hit"}), answer("x"), VOLATILE_FIELDS, VOLATILE_FIELDS)
     assert not ok and "shared_prefix" in diff
-    ok, _ = compare(answer("x", shared_prefix={"status": "hit"}), answer("x"), VOLATILE_FIELDS + SHARE_FIELDS,
-                    VOLATILE_FIELDS)
+    ok, _ = compare(
+        answer("x", shared_prefix={"status": "hit"}), answer("x"), VOLATILE_FIELDS + SHARE_FIELDS, VOLATILE_FIELDS
+    )
     assert ok
     assert "order differs" in first_difference({"a": 1, "b": 2}, {"b": 2, "a": 1})
 
@@ -44,6 +46,15 @@ def test_stream_chunks_are_stripped_one_by_one() -> None:
     chunks = [{"id": "a", "choices": []}, {"id": "b", "created": 5, "choices": [1]}]
     assert strip_fields(chunks, VOLATILE_FIELDS) == [{"choices": []}, {"choices": [1]}]
     assert chunks[0]["id"] == "a"  # the input is not modified
+
+
+def test_a_list_of_answers_and_streams_is_stripped_answer_by_answer() -> None:
+    session = [answer("x"), [{"id": "a", "content": "y"}, {"id": "b", "timings": {"prompt_ms": 1.0, "prompt_n": 2}}]]
+    assert strip_fields(session) == [
+        {"content": "x", "id_slot": 1, "timings": {"cache_n": 3, "prompt_n": 5}},
+        [{"content": "y"}, {"timings": {"prompt_n": 2}}],
+    ]
+    assert compare(session, strip_fields(session)) == (True, "")
 
 
 def test_first_token_logprob_diff() -> None:
@@ -68,8 +79,10 @@ def sharer(p: int = 100, n_prompt: int = 120) -> Sharer:
 
 
 def test_verdict_hit() -> None:
-    hit = {"shared_prefix": {"pool_slot": 0, "requested": 100, "shared": 100, "status": "hit"},
-           "timings": {"prompt_n": 20}}
+    hit = {
+        "shared_prefix": {"pool_slot": 0, "requested": 100, "shared": 100, "status": "hit"},
+        "timings": {"prompt_n": 20},
+    }
     assert _sharer_verdict(hit, sharer(), "hit")[0]
     hit["timings"] = {"prompt_n": 120}
     ok, why, _ = _sharer_verdict(hit, sharer(), "hit")

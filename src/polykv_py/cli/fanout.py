@@ -218,7 +218,7 @@ async def _erase_slots(ctx: SharedContext) -> None:
     """Empty every slot (pool included) so a baseline run starts from an empty KV cache."""
     for slot in range(await ctx.slot_count()):
         try:
-            await ctx.client.post_json(f"/slots/{slot}?action=erase", {})
+            await ctx.client.erase_slot(slot)
         except PolykvError as exc:
             log.debug("could not erase slot %d: %s", slot, exc)
 

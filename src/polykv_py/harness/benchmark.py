@@ -343,7 +343,7 @@ def capacity_probe(system: str, cfg: BenchConfig, deadline: float) -> dict:
                         continue
                     for slot in range(slots):
                         if not (share and slot == sc.pool_slot):
-                            await client.post_json(f"/slots/{slot}?action=erase", {})
+                            await client.erase_slot(slot)
                     kv.mark()
                     sc.concurrency = n
                     t0 = time.perf_counter()

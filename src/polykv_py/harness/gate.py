@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import copy
 import json
 import logging
 import platform
@@ -31,53 +30,27 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from ..client import AsyncClient, Client, aggregate_completion, aggregate_oai
+from ..client import AsyncClient, Client, Share, aggregate
 from ..errors import PolykvError
 from ..models import resolve_model
 from ..native import ServerKind, server_binary
+from ..presets import NO_CACHE_IDLE, NO_CLEAR_IDLE, UNIFIED_KV, slots_args
 from ..server import LlamaServer
 from ..tokens import common_prefix_len
+from .answers import SHARE_FIELDS, VOLATILE_FIELDS, Answer, compare
 
 log = logging.getLogger(__name__)
 
 Json = dict[str, Any]
-Answer = Json | list[Json]  # a non-stream body, or the list of SSE chunks of a stream
 
 CHECKS = ("default_output", "share_hit", "fallback_miss")
 
-#: Response fields that legitimately differ between two runs of the same request
-#: (wall-clock timings, random completion ids, wall-clock timestamps, the build id).
-#: Dotted paths from the top of a response body or of each stream chunk. Nothing
-#: else is removed before the byte comparison: token counts, cache_n, id_slot,
-#: probabilities and generation_settings are all compared.
-VOLATILE_FIELDS: tuple[str, ...] = (
-    "timings.prompt_ms",
-    "timings.prompt_per_token_ms",
-    "timings.prompt_per_second",
-    "timings.predicted_ms",
-    "timings.predicted_per_token_ms",
-    "timings.predicted_per_second",
-    "created",
-    "id",
-    "system_fingerprint",
-)
-
-#: Fields only a request *with* pool fields may add; removed from the sharer's answer
-#: (after they were checked) before comparing it with the reference server's answer.
-SHARE_FIELDS: tuple[str, ...] = (
-    "shared_prefix",
-    "generation_settings.shared_pool_slot",
-    "generation_settings.shared_prefix_n_tokens",
-)
-
 POOL_SLOT = 0
 N_SLOTS = 4
-NO_CACHE_IDLE = "--no-cache-idle-slots"  # upstream's name for the seed's --no-clear-idle
-NO_CLEAR_IDLE = "--no-clear-idle"
 
 PROMPTS = (
     "The three most important rules for writing maintainable software are",
@@ -86,8 +59,10 @@ PROMPTS = (
     "def fibonacci(n):\n    ",
 )
 CHAT = (
-    [{"role": "system", "content": "You are a concise assistant."},
-     {"role": "user", "content": "Name two uses of a paperclip."}],
+    [
+        {"role": "system", "content": "You are a concise assistant."},
+        {"role": "user", "content": "Name two uses of a paperclip."},
+    ],
     [{"role": "user", "content": "Write one sentence about the sea."}],
 )
 QUESTIONS = (
@@ -105,7 +80,7 @@ class GateConfig:
     model: Path | None = None
     patched_bin: Path | None = None
     upstream_bin: Path | None = None
-    share_server: ServerKind = "patched"
+    share_server: ServerKind = ServerKind.PATCHED
     checks: tuple[str, ...] = CHECKS
     threads: int = 2
     ctx: int = 8192
@@ -145,69 +120,9 @@ class CheckResult:
 
 
 # ------------------------------------------------------------------ comparison
-def strip_fields(doc: Answer, paths: Sequence[str]) -> Answer:
-    """A copy of ``doc`` (or of each chunk) without the dotted ``paths``."""
-    if isinstance(doc, list):
-        return [strip_fields(chunk, paths) for chunk in doc]  # type: ignore[misc]
-    out = copy.deepcopy(doc)
-    for path in paths:
-        *parents, leaf = path.split(".")
-        node: Any = out
-        for key in parents:
-            node = node.get(key) if isinstance(node, dict) else None
-        if isinstance(node, dict):
-            node.pop(leaf, None)
-    return out
-
-
-def canonical(doc: Answer) -> bytes:
-    """The bytes compared: compact JSON in the server's key order."""
-    return json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()
-
-
-def first_difference(a: Any, b: Any, path: str = "$") -> str:
-    """A short description of where two JSON values first differ ('' if equal)."""
-    if type(a) is not type(b):
-        return f"{path}: {_short(a)} != {_short(b)}"
-    if isinstance(a, dict):
-        if list(a) != list(b):
-            return f"{path} keys: {sorted(set(a) ^ set(b)) or 'order differs'}"
-        for k in a:
-            d = first_difference(a[k], b[k], f"{path}.{k}")
-            if d:
-                return d
-        return ""
-    if isinstance(a, list):
-        if len(a) != len(b):
-            return f"{path}: length {len(a)} != {len(b)}"
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            d = first_difference(x, y, f"{path}[{i}]")
-            if d:
-                return d
-        return ""
-    return "" if a == b else f"{path}: {_short(a)} != {_short(b)}"
-
-
-def _short(v: Any) -> str:
-    s = json.dumps(v, ensure_ascii=False)
-    return s if len(s) <= 120 else s[:117] + "..."
-
-
-def compare(a: Answer, b: Answer, strip_a: Sequence[str], strip_b: Sequence[str]) -> tuple[bool, str]:
-    """Byte-compare two answers after removing the given fields; (equal, first difference)."""
-    na, nb = strip_fields(a, strip_a), strip_fields(b, strip_b)
-    if canonical(na) == canonical(nb):
-        return True, ""
-    return False, first_difference(na, nb) or "bytes differ"
-
-
 def final_of(doc: Answer, endpoint: str) -> Json:
     """The aggregated result of a stream, or the body itself."""
-    if isinstance(doc, dict):
-        return doc
-    if endpoint == "/completion":
-        return aggregate_completion(copy.deepcopy(doc))
-    return aggregate_oai(copy.deepcopy(doc), chat=endpoint.endswith("chat/completions"))
+    return doc if isinstance(doc, dict) else aggregate(endpoint, doc)
 
 
 def first_token_logprob_diff(a: Json, b: Json) -> float | None:
@@ -267,25 +182,61 @@ def default_output_cases(n_predict: int, n_probs: int) -> list[Case]:
     for sampling, sname, prompt, chat in variants:
         for stream in (False, True):
             suffix = f"{sname}/{'stream' if stream else 'plain'}"
-            cases.append(Case(f"completion/{suffix}", "/completion",
-                              {"prompt": prompt, "n_predict": n_predict, "n_probs": n_probs, **sampling,
-                               "stream": stream}))
-            cases.append(Case(f"chat/{suffix}", "/v1/chat/completions",
-                              {"messages": chat, "max_tokens": n_predict, "logprobs": True, "top_logprobs": n_probs,
-                               **sampling, "stream": stream}))
+            cases.append(
+                Case(
+                    f"completion/{suffix}",
+                    "/completion",
+                    {"prompt": prompt, "n_predict": n_predict, "n_probs": n_probs, **sampling, "stream": stream},
+                )
+            )
+            cases.append(
+                Case(
+                    f"chat/{suffix}",
+                    "/v1/chat/completions",
+                    {
+                        "messages": chat,
+                        "max_tokens": n_predict,
+                        "logprobs": True,
+                        "top_logprobs": n_probs,
+                        **sampling,
+                        "stream": stream,
+                    },
+                )
+            )
     for stream in (False, True):
-        cases.append(Case(f"v1-completions/greedy/{'stream' if stream else 'plain'}", "/v1/completions",
-                          {"prompt": PROMPTS[2], "max_tokens": n_predict, "logprobs": n_probs, "temperature": 0.0,
-                           "stream": stream}))
+        cases.append(
+            Case(
+                f"v1-completions/greedy/{'stream' if stream else 'plain'}",
+                "/v1/completions",
+                {
+                    "prompt": PROMPTS[2],
+                    "max_tokens": n_predict,
+                    "logprobs": n_probs,
+                    "temperature": 0.0,
+                    "stream": stream,
+                },
+            )
+        )
     # several slots at once
     cases += [
-        Case("concurrent/slot1/completion", "/completion",
-             {"prompt": PROMPTS[3], "n_predict": n_predict, "n_probs": n_probs, "temperature": 0.0, "id_slot": 1}, 1),
-        Case("concurrent/slot2/completion-seeded-stream", "/completion",
-             {"prompt": PROMPTS[0], "n_predict": n_predict, "n_probs": n_probs, **seeded, "id_slot": 2,
-              "stream": True}, 1),
-        Case("concurrent/slot3/chat", "/v1/chat/completions",
-             {"messages": CHAT[1], "max_tokens": n_predict, "temperature": 0.0, "id_slot": 3}, 1),
+        Case(
+            "concurrent/slot1/completion",
+            "/completion",
+            {"prompt": PROMPTS[3], "n_predict": n_predict, "n_probs": n_probs, "temperature": 0.0, "id_slot": 1},
+            1,
+        ),
+        Case(
+            "concurrent/slot2/completion-seeded-stream",
+            "/completion",
+            {"prompt": PROMPTS[0], "n_predict": n_predict, "n_probs": n_probs, **seeded, "id_slot": 2, "stream": True},
+            1,
+        ),
+        Case(
+            "concurrent/slot3/chat",
+            "/v1/chat/completions",
+            {"messages": CHAT[1], "max_tokens": n_predict, "temperature": 0.0, "id_slot": 3},
+            1,
+        ),
     ]
     return cases
 
@@ -293,7 +244,7 @@ def default_output_cases(n_predict: int, n_probs: int) -> list[Case]:
 # ------------------------------------------------------------------ base context
 _WORDS = ("agent", "service", "schema", "billing", "queue", "cache", "review", "deploy", "owner", "team", "ticket",
           "release", "incident", "latency", "budget", "contract", "storage", "index", "shard", "replica", "token",
-          "request", "response", "metric", "alert", "runbook", "branch", "merge", "test", "module")
+          "request", "response", "metric", "alert", "runbook", "branch", "merge", "test", "module")  # fmt: skip
 _TEAMS = ("Atlas", "Borealis", "Cobalt", "Delta", "Ember", "Fjord")
 
 
@@ -337,7 +288,7 @@ class Sharer:
         return Case(f"sharer{self.index}/slot{self.slot}", "/completion", self.body)
 
     def with_pool(self, group: int = 0) -> Case:
-        body = {**self.body, "shared_pool_slot": POOL_SLOT, "shared_prefix_n_tokens": self.p}
+        body = {**self.body, **Share(POOL_SLOT, self.p).fields()}
         return Case(self.case.name + "/pool", "/completion", body, group)
 
     def fresh(self) -> Case:
@@ -358,17 +309,21 @@ def make_sharers(client: Client, base: str, cfg: GateConfig) -> tuple[list[Share
         tokens = client.prompt_tokens(prompt)
         p = common_prefix_len(base_tokens, tokens)
         slot = 1 + i % (N_SLOTS - 1)
-        body = {"prompt": prompt, "n_predict": cfg.n_predict, "n_probs": cfg.n_probs, "id_slot": slot,
-                **samplings[i % len(samplings)]}
+        body = {
+            "prompt": prompt,
+            "n_predict": cfg.n_predict,
+            "n_probs": cfg.n_probs,
+            "id_slot": slot,
+            **samplings[i % len(samplings)],
+        }
         sharers.append(Sharer(i + 1, slot, prompt, p, len(tokens), body))
-    info = {"base_chars": len(base), "base_tokens_alone": len(base_tokens), "shared_prefix_p": [s.p for s in sharers],
-            "n_prompt": [s.n_prompt for s in sharers]}
+    info = {
+        "base_chars": len(base),
+        "base_tokens_alone": len(base_tokens),
+        "shared_prefix_p": [s.p for s in sharers],
+        "n_prompt": [s.n_prompt for s in sharers],
+    }
     return sharers, info
-
-
-def prime(client: Client, base: str, slot: int) -> Json:
-    """Fill ``slot`` with the base context (prompt processed, nothing generated)."""
-    return client.completion(base, n_predict=0, id_slot=slot, cache_prompt=True, temperature=0.0)
 
 
 # ------------------------------------------------------------------ servers
@@ -387,25 +342,35 @@ class _Servers:
     def __init__(self, cfg: GateConfig) -> None:
         self.cfg = cfg
         self.model = resolve_model(cfg.model)
-        self._given = {"patched": cfg.patched_bin, "upstream": cfg.upstream_bin}
-        self.bins: dict[str, Path] = {}
+        self._given = {ServerKind.PATCHED: cfg.patched_bin, ServerKind.UPSTREAM: cfg.upstream_bin}
+        self.bins: dict[ServerKind, Path] = {}
 
-    def binary(self, kind: str) -> Path:
+    def binary(self, kind: ServerKind | str) -> Path:
+        kind = ServerKind.of(kind)
         if kind not in self.bins:
             given = self._given[kind]
-            self.bins[kind] = Path(given) if given else server_binary(kind)  # type: ignore[arg-type]
+            self.bins[kind] = Path(given) if given else server_binary(kind)
         return self.bins[kind]
 
-    def start(self, kind: str, args: list[str], name: str) -> LlamaServer:
-        srv = LlamaServer(self.binary(kind), self.model, args, kind=kind, threads=self.cfg.threads,  # type: ignore[arg-type]
-                          log_dir=self.cfg.log_dir, name=name, start_timeout=self.cfg.start_timeout)
+    def start(self, kind: ServerKind | str, args: list[str], name: str) -> LlamaServer:
+        srv = LlamaServer(
+            self.binary(kind),
+            self.model,
+            args,
+            kind=kind,
+            threads=self.cfg.threads,
+            log_dir=self.cfg.log_dir,
+            name=name,
+            start_timeout=self.cfg.start_timeout,
+        )
         srv.start()
         log.info("  started %s: %s (log %s)", name, " ".join(srv.command(srv.port)[3:]), srv.log_path)
         return srv
 
 
 def _base_args(cfg: GateConfig) -> list[str]:
-    return ["-c", str(cfg.ctx), "-np", str(N_SLOTS), "-kvu"]
+    """Unified KV, N_SLOTS slots; idle-slot caching as upstream's default (each check adds what it needs)."""
+    return [*slots_args(N_SLOTS, cfg.ctx), UNIFIED_KV]
 
 
 # ------------------------------------------------------------------ checks
@@ -423,18 +388,33 @@ def check_default_output(servers: _Servers) -> CheckResult:
             if not srv.is_alive():
                 raise PolykvError(f"{kind} server died during the default-output requests")
     for case in cases:
-        ok, diff = compare(answers["patched"][case.name], answers["upstream"][case.name],
-                           VOLATILE_FIELDS, VOLATILE_FIELDS)
+        ok, diff = compare(
+            answers["patched"][case.name], answers["upstream"][case.name], VOLATILE_FIELDS, VOLATILE_FIELDS
+        )
         final = final_of(answers["patched"][case.name], case.endpoint)
-        text = final.get("content") or (final.get("choices") or [{}])[0].get("text") or \
-            ((final.get("choices") or [{}])[0].get("message") or {}).get("content")
-        res.cases.append({"name": case.name, "ok": ok, "difference": diff, "text": text,
-                          "chunks": len(answers["patched"][case.name]) if case.stream else None})
+        text = (
+            final.get("content")
+            or (final.get("choices") or [{}])[0].get("text")
+            or ((final.get("choices") or [{}])[0].get("message") or {}).get("content")
+        )
+        res.cases.append(
+            {
+                "name": case.name,
+                "ok": ok,
+                "difference": diff,
+                "text": text,
+                "chunks": len(answers["patched"][case.name]) if case.stream else None,
+            }
+        )
         log.info("  %-45s %s%s", case.name, "identical" if ok else "DIFFERENT: ", diff)
     bad = [c["name"] for c in res.cases if not c["ok"]]
     res.ok = not bad
-    res.summary = (f"{len(cases)} requests byte-identical to the reference server (after removing only "
-                   f"{', '.join(VOLATILE_FIELDS)})" if res.ok else f"{len(bad)}/{len(cases)} answers differ: {bad}")
+    res.summary = (
+        f"{len(cases)} requests byte-identical to the reference server (after removing only "
+        f"{', '.join(VOLATILE_FIELDS)})"
+        if res.ok
+        else f"{len(bad)}/{len(cases)} answers differ: {bad}"
+    )
     return res
 
 
@@ -443,14 +423,23 @@ def _sharer_verdict(answer: Json, sharer: Sharer, expect: str) -> tuple[bool, st
     prompt_n = (answer.get("timings") or {}).get("prompt_n")
     got = {"shared_prefix": sp, "prompt_n": prompt_n, "tokens_evaluated": answer.get("tokens_evaluated")}
     if sp is None:
-        return False, ("no shared_prefix field in the response: the server ignored shared_pool_slot "
-                       "(is this the patched server?)"), got
+        return (
+            False,
+            (
+                "no shared_prefix field in the response: the server ignored shared_pool_slot "
+                "(is this the patched server?)"
+            ),
+            got,
+        )
     if sp.get("status") != expect:
         return False, f"shared_prefix.status is {sp.get('status')!r}, expected {expect!r} ({sp})", got
     if expect == "hit":
         if sp.get("shared") != sharer.p or sp.get("requested") != sharer.p:
-            return False, (f"shared_prefix reports requested={sp.get('requested')} shared={sp.get('shared')}, "
-                           f"P={sharer.p}"), got
+            return (
+                False,
+                (f"shared_prefix reports requested={sp.get('requested')} shared={sp.get('shared')}, P={sharer.p}"),
+                got,
+            )
         want = max(sharer.n_prompt - sharer.p, 1)
         if prompt_n != want:
             return False, f"processed {prompt_n} prompt tokens, expected n_prompt - P = {want}", got
@@ -474,8 +463,8 @@ def check_share_hit(servers: _Servers) -> CheckResult:
     cfg = servers.cfg
     res = CheckResult("share_hit")
     kind = cfg.share_server
-    args = _base_args(cfg) + [no_clear_idle_flag(servers.binary(kind))]
-    ref_args = _base_args(cfg) + [NO_CACHE_IDLE]
+    args = [*_base_args(cfg), no_clear_idle_flag(servers.binary(kind))]
+    ref_args = [*_base_args(cfg), NO_CACHE_IDLE]
     res.info = {"share_server": kind, "flags": args, "reference_flags": ref_args}
 
     # phase 1: all sharers on one pool, at once
@@ -483,10 +472,15 @@ def check_share_hit(servers: _Servers) -> CheckResult:
         base = build_base(srv.client.prompt_tokens, cfg.base_tokens)
         sharers, sinfo = make_sharers(srv.client, base, cfg)
         res.info.update(sinfo)
-        primed = prime(srv.client, base, POOL_SLOT)
+        primed = srv.client.prime(base, POOL_SLOT)
         res.info["pool_prime_prompt_n"] = (primed.get("timings") or {}).get("prompt_n")
-        log.info("  pool slot %d primed with %s base tokens; P per sharer %s (the base alone tokenizes to %d)",
-                 POOL_SLOT, res.info["pool_prime_prompt_n"], sinfo["shared_prefix_p"], sinfo["base_tokens_alone"])
+        log.info(
+            "  pool slot %d primed with %s base tokens; P per sharer %s (the base alone tokenizes to %d)",
+            POOL_SLOT,
+            res.info["pool_prime_prompt_n"],
+            sinfo["shared_prefix_p"],
+            sinfo["base_tokens_alone"],
+        )
         together = run_cases(srv, [s.with_pool(group=1) for s in sharers])
         health = srv.health_state()
     together_cases = []
@@ -499,11 +493,11 @@ def check_share_hit(servers: _Servers) -> CheckResult:
     # phase 2: each sharer against the reference, like-for-like
     for s in sharers:
         with servers.start(kind, args, f"share-{kind}-{s.index}") as srv:
-            prime(srv.client, base, POOL_SLOT)
+            srv.client.prime(base, POOL_SLOT)
             mine_raw = send(srv.client, s.with_pool())
             mine_fresh = final_of(send(srv.client, s.fresh()), "/completion") if cfg.fresh_info else {}
         with servers.start("upstream", ref_args, f"share-reference-{s.index}") as ref:
-            prime(ref.client, base, s.slot)
+            ref.client.prime(base, s.slot)
             own_raw = send(ref.client, s.case)
             ref_fresh = final_of(send(ref.client, s.fresh()), "/completion") if cfg.fresh_info else {}
         mine, own = final_of(mine_raw, "/completion"), final_of(own_raw, "/completion")
@@ -517,23 +511,43 @@ def check_share_hit(servers: _Servers) -> CheckResult:
             "together_phase_text_equal": mine.get("content")
             == final_of(together[s.with_pool().name], "/completion").get("content"),
         }
-        res.cases.append({
-            "name": s.case.name, "ok": ok_status and same, "P": s.p, "n_prompt": s.n_prompt, **got,
-            "status_ok": ok_status, "status_check": why, "identical_to_reference_own_cache": same,
-            "difference": diff, "text": mine.get("content"), "info_vs_fresh_one_pass": info,
-        })
-        log.info("  exact %s: P=%d n_prompt=%d -> %s; vs reference own cache: %s", s.case.name, s.p, s.n_prompt,
-                 why, "identical" if same else f"DIFFERENT: {diff}")
-        log.info("    (info) fresh one-pass vs cached answer, max first-token |dlogprob|: share server %s, "
-                 "reference %s", info["share_server_first_token_max_logprob_diff"],
-                 info["reference_first_token_max_logprob_diff"])
+        res.cases.append(
+            {
+                "name": s.case.name,
+                "ok": ok_status and same,
+                "P": s.p,
+                "n_prompt": s.n_prompt,
+                **got,
+                "status_ok": ok_status,
+                "status_check": why,
+                "identical_to_reference_own_cache": same,
+                "difference": diff,
+                "text": mine.get("content"),
+                "info_vs_fresh_one_pass": info,
+            }
+        )
+        log.info(
+            "  exact %s: P=%d n_prompt=%d -> %s; vs reference own cache: %s",
+            s.case.name,
+            s.p,
+            s.n_prompt,
+            why,
+            "identical" if same else f"DIFFERENT: {diff}",
+        )
+        log.info(
+            "    (info) fresh one-pass vs cached answer, max first-token |dlogprob|: share server %s, reference %s",
+            info["share_server_first_token_max_logprob_diff"],
+            info["reference_first_token_max_logprob_diff"],
+        )
 
     bad_together = [c for c in together_cases if not c["ok"]]
     bad = [c for c in res.cases if not c["ok"]]
     res.ok = not bad and not bad_together and health == "ok"
     if bad_together:
-        res.summary = (f"{len(bad_together)}/{len(sharers)} sharers failed on the shared pool; "
-                       f"{bad_together[0]['name']}: {bad_together[0]['status_check']}")
+        res.summary = (
+            f"{len(bad_together)}/{len(sharers)} sharers failed on the shared pool; "
+            f"{bad_together[0]['name']}: {bad_together[0]['status_check']}"
+        )
     elif health != "ok":
         res.summary = f"the {kind} server is {health} after the sharers"
     elif bad:
@@ -541,9 +555,11 @@ def check_share_hit(servers: _Servers) -> CheckResult:
         reason = first["status_check"] if not first["status_ok"] else f"output differs: {first['difference']}"
         res.summary = f"{len(bad)}/{len(res.cases)} sharers failed against the reference; {first['name']}: {reason}"
     else:
-        res.summary = (f"{len(sharers)} concurrent sharers hit one pool (P={[s.p for s in sharers]}) and processed "
-                       f"only n_prompt - P tokens; each answered byte-identically to the reference server's "
-                       f"own-cache answer")
+        res.summary = (
+            f"{len(sharers)} concurrent sharers hit one pool (P={[s.p for s in sharers]}) and processed "
+            f"only n_prompt - P tokens; each answered byte-identically to the reference server's "
+            f"own-cache answer"
+        )
     return res
 
 
@@ -557,23 +573,34 @@ def check_fallback_miss(servers: _Servers) -> CheckResult:
         base = build_base(srv.client.prompt_tokens, cfg.base_tokens)
         sharers, sinfo = make_sharers(srv.client, base, cfg)
         res.info.update(sinfo)
-        prime(srv.client, base, POOL_SLOT)
+        srv.client.prime(base, POOL_SLOT)
         answers, health = {}, []
         for s in sharers:
             answers[s.index] = send(srv.client, s.with_pool())
             health.append(srv.health_state())
-        verdicts = {s.index: _sharer_verdict(final_of(answers[s.index], "/completion"), s, "not_resident")
-                    for s in sharers}
+        verdicts = {
+            s.index: _sharer_verdict(final_of(answers[s.index], "/completion"), s, "not_resident") for s in sharers
+        }
     with servers.start("upstream", args, "fallback-reference") as ref:
-        prime(ref.client, base, POOL_SLOT)
+        ref.client.prime(base, POOL_SLOT)
         ref_answers = {s.index: send(ref.client, s.case) for s in sharers}
     res.info["health_after_each_sharer"] = health
     for s in sharers:
         ok_status, why, got = verdicts[s.index]
         same, diff = compare(answers[s.index], ref_answers[s.index], VOLATILE_FIELDS + SHARE_FIELDS, VOLATILE_FIELDS)
-        res.cases.append({"name": s.case.name, "ok": ok_status and same, "P": s.p, "n_prompt": s.n_prompt, **got,
-                          "status_ok": ok_status, "status_check": why, "identical_to_reference": same,
-                          "difference": diff})
+        res.cases.append(
+            {
+                "name": s.case.name,
+                "ok": ok_status and same,
+                "P": s.p,
+                "n_prompt": s.n_prompt,
+                **got,
+                "status_ok": ok_status,
+                "status_check": why,
+                "identical_to_reference": same,
+                "difference": diff,
+            }
+        )
         log.info("  %s: %s; vs reference: %s", s.case.name, why, "identical" if same else f"DIFFERENT: {diff}")
     bad = [c for c in res.cases if not c["ok"]]
     healthy = all(h == "ok" for h in health)
@@ -585,8 +612,10 @@ def check_fallback_miss(servers: _Servers) -> CheckResult:
         reason = first["status_check"] if not first["status_ok"] else f"output differs: {first['difference']}"
         res.summary = f"{len(bad)}/{len(res.cases)} sharers failed; {first['name']}: {reason}"
     else:
-        res.summary = (f"pool evicted by idle-slot caching: {len(sharers)} sharers reported not_resident, re-processed "
-                       f"their full prompts, answered byte-identically to the reference; server healthy")
+        res.summary = (
+            f"pool evicted by idle-slot caching: {len(sharers)} sharers reported not_resident, re-processed "
+            f"their full prompts, answered byte-identically to the reference; server healthy"
+        )
     return res
 
 
@@ -604,7 +633,7 @@ def run_gate(cfg: GateConfig | None = None) -> Json:
     servers = _Servers(cfg)
     report: Json = {
         "ok": False,
-        "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "started": datetime.now(UTC).isoformat(timespec="seconds"),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
         "model": str(servers.model),
         "machine": {"platform": platform.platform(), "python": platform.python_version()},
@@ -640,8 +669,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The gate's options (shared by ``polykv gate`` and ``gate/run_gate.py``)."""
     p.add_argument("--report", type=Path, help="write the JSON report here")
     p.add_argument("--checks", default=",".join(CHECKS), help=f"comma-separated subset of {','.join(CHECKS)}")
-    p.add_argument("--share-server", choices=("patched", "upstream"), default="patched",
-                   help="server the share check runs on (upstream: a negative control that must FAIL)")
+    p.add_argument(
+        "--share-server",
+        choices=("patched", "upstream"),
+        default="patched",
+        help="server the share check runs on (upstream: a negative control that must FAIL)",
+    )
     p.add_argument("--model", type=Path, help="GGUF (default: the pinned default model)")
     p.add_argument("--patched-bin", type=Path)
     p.add_argument("--upstream-bin", type=Path)
@@ -651,8 +684,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-tokens", type=int, default=1200)
     p.add_argument("--sharers", type=int, default=3)
     p.add_argument("--log-dir", type=Path, help="server logs (default: a temporary directory)")
-    p.add_argument("--skip-fresh-info", action="store_true",
-                   help="do not measure the informational fresh one-pass answers (saves two prefills per sharer)")
+    p.add_argument(
+        "--skip-fresh-info",
+        action="store_true",
+        help="do not measure the informational fresh one-pass answers (saves two prefills per sharer)",
+    )
     p.add_argument("-q", "--quiet", action="store_true")
 
 
@@ -667,10 +703,20 @@ def run_from_args(args: argparse.Namespace) -> int:
         logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stdout)
     log.setLevel(logging.WARNING if args.quiet else logging.INFO)
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    cfg = GateConfig(model=args.model, patched_bin=args.patched_bin, upstream_bin=args.upstream_bin,
-                     share_server=args.share_server, checks=tuple(c for c in args.checks.split(",") if c),
-                     threads=args.threads, ctx=args.ctx, n_predict=args.n_predict, base_tokens=args.base_tokens,
-                     n_sharers=args.sharers, log_dir=args.log_dir, fresh_info=not args.skip_fresh_info)
+    cfg = GateConfig(
+        model=args.model,
+        patched_bin=args.patched_bin,
+        upstream_bin=args.upstream_bin,
+        share_server=ServerKind.of(args.share_server),
+        checks=tuple(c for c in args.checks.split(",") if c),
+        threads=args.threads,
+        ctx=args.ctx,
+        n_predict=args.n_predict,
+        base_tokens=args.base_tokens,
+        n_sharers=args.sharers,
+        log_dir=args.log_dir,
+        fresh_info=not args.skip_fresh_info,
+    )
     try:
         report = run_gate(cfg)
     except (PolykvError, ValueError) as exc:
@@ -679,7 +725,10 @@ def run_from_args(args: argparse.Namespace) -> int:
     if args.report:
         args.report.parent.mkdir(parents=True, exist_ok=True)
         args.report.write_text(json.dumps(report, indent=2) + "\n")
+    out = sys.stdout  # the verdict, for the terminal and CI (the progress went through logging)
     for name, check in report["checks"].items():
-        print(f"{'PASS' if check['ok'] else 'FAIL'}  {name}: {check['summary']}")
-    print(f"gate {'PASSED' if report['ok'] else 'FAILED'}" + (f"; report: {args.report}" if args.report else ""))
+        out.write(f"{'PASS' if check['ok'] else 'FAIL'}  {name}: {check['summary']}\n")
+    out.write(
+        f"gate {'PASSED' if report['ok'] else 'FAILED'}" + (f"; report: {args.report}" if args.report else "") + "\n"
+    )
     return 0 if report["ok"] else 1

@@ -23,7 +23,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..client import AsyncClient
+from ..client import AsyncClient, Share
 from ..server import LlamaServer
 from .compare import compare_greedy
 from .kvcells import KVCellsLog
@@ -68,8 +68,14 @@ class RoundResult:
 
     @property
     def ok(self) -> bool:
-        return (not self.errors and not self.different and not self.prefix_recomputed and self.server_alive
-                and self.leak == 0 and set(self.statuses) <= {"hit", "own_cache"})
+        return (
+            not self.errors
+            and not self.different
+            and not self.prefix_recomputed
+            and self.server_alive
+            and self.leak == 0
+            and set(self.statuses) <= {"hit", "own_cache"}
+        )
 
 
 @dataclass
@@ -87,7 +93,7 @@ class LoadReport:
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
-        for r, rr in zip(out["rounds"], self.rounds):
+        for r, rr in zip(out["rounds"], self.rounds, strict=True):
             r["leak"], r["ok"] = rr.leak, rr.ok
         out["ok"] = self.ok
         return out
@@ -99,33 +105,43 @@ def load_server(cfg: LoadConfig) -> LlamaServer:
 
     # room for the pool plus every slot's prompt and answer at once, with margin
     ctx = cfg.pool_tokens + cfg.n_slots * (cfg.suffix_tokens + cfg.n_predict + 16) + 256
-    server: LlamaServer = pool_server(model=cfg.model, n_agents_parallel=cfg.n_slots, ctx=ctx, threads=cfg.threads,
-                                      track_kv=True, name="load", pool_slot=POOL)
+    server: LlamaServer = pool_server(
+        model=cfg.model,
+        n_agents_parallel=cfg.n_slots,
+        ctx=ctx,
+        threads=cfg.threads,
+        track_kv=True,
+        name="load",
+        pool_slot=POOL,
+    )
     return server
 
 
 async def _erase_agents(c: AsyncClient, n_slots: int) -> None:
     for s in range(1, n_slots + 1):
-        await c.request("POST", f"/slots/{s}?action=erase")
+        await c.erase_slot(s)
 
 
 async def _cells_in_use(c: AsyncClient, kv: KVCellsLog) -> int:
     """Cells in use right now: read from the first micro-batch of a one-token probe on slot 1."""
     kv.mark()
     await c.completion("Hi", id_slot=1, n_predict=1, cache_prompt=False)
-    await c.request("POST", "/slots/1?action=erase")
+    await c.erase_slot(1)
     reading = kv.read()
     if reading.samples != 1:
-        raise RuntimeError(f"expected one find_slot line for the probe, got {reading.samples} "
-                           "(is LLAMA_KV_CACHE_DEBUG=1 -lv 5 set?)")
+        raise RuntimeError(
+            f"expected one find_slot line for the probe, got {reading.samples} (is LLAMA_KV_CACHE_DEBUG=1 -lv 5 set?)"
+        )
     return reading.last  # logged before the probe's token is placed
 
 
 async def _ask(c: AsyncClient, prompt: str, p: int, cfg: LoadConfig) -> dict[str, Any]:
     return await asyncio.wait_for(
-        c.completion(prompt, shared_pool_slot=POOL, shared_prefix_n_tokens=p, n_predict=cfg.n_predict,
-                     temperature=0, n_probs=2, cache_prompt=True),
-        cfg.request_timeout)
+        c.completion(
+            prompt, share=Share(POOL, p), n_predict=cfg.n_predict, temperature=0, n_probs=2, cache_prompt=True
+        ),
+        cfg.request_timeout,
+    )
 
 
 async def run_load_async(server: LlamaServer, cfg: LoadConfig, progress: bool = False) -> LoadReport:
@@ -135,14 +151,14 @@ async def run_load_async(server: LlamaServer, cfg: LoadConfig, progress: bool = 
     base, (suffixes,) = make_inputs(server, cfg.pool_tokens, cfg.n_agents, cfg.suffix_tokens)
     kv = KVCellsLog(server.log_path)
     async with server.async_client(timeout=cfg.request_timeout + 30) as c:
-        await c.completion(base, id_slot=POOL, n_predict=1, cache_prompt=True)
+        await c.prime(base, POOL, n_predict=1)
         pool_cells = await _cells_in_use(c, kv)
         prompts = [base + s for s in suffixes]
         prefix = [await c.shared_prefix_len(base, p) for p in prompts]
 
         t0 = time.monotonic()
         reference = []
-        for prompt, p in zip(prompts, prefix):
+        for prompt, p in zip(prompts, prefix, strict=True):
             reference.append(await _ask(c, prompt, p, cfg))
             await _erase_agents(c, cfg.n_slots)
         reference_s = time.monotonic() - t0
@@ -174,8 +190,10 @@ async def run_load_async(server: LlamaServer, cfg: LoadConfig, progress: bool = 
                 statuses[status] += 1
                 processed = int((out.get("timings") or {}).get("prompt_n", -1))
                 if not 0 <= processed <= int(out.get("tokens_evaluated", 0)) - prefix[i]:
-                    rr.prefix_recomputed.append(f"agent {i}: processed {processed} of {out.get('tokens_evaluated')}"
-                                                f" prompt tokens, P = {prefix[i]} ({status})")
+                    rr.prefix_recomputed.append(
+                        f"agent {i}: processed {processed} of {out.get('tokens_evaluated')}"
+                        f" prompt tokens, P = {prefix[i]} ({status})"
+                    )
                 cmp = compare_greedy(reference[i], out)
                 rr.max_drift = max(rr.max_drift, round(cmp.max_drift, 4))
                 if cmp.verdict == "identical":
@@ -192,13 +210,21 @@ async def run_load_async(server: LlamaServer, cfg: LoadConfig, progress: bool = 
                 rr.kv_cells_after_erase = await _cells_in_use(c, kv)
                 rr.kv_cells_pool = pool_cells
             rounds.append(rr)
-            msg = (f"round {rr.round}/{cfg.rounds}: {rr.wall_s:.1f} s, {len(rr.errors)} errors, "
-                   f"{rr.identical} identical + {rr.near_tie} near-tie / {cfg.n_agents}, leak {rr.leak} cells")
+            msg = (
+                f"round {rr.round}/{cfg.rounds}: {rr.wall_s:.1f} s, {len(rr.errors)} errors, "
+                f"{rr.identical} identical + {rr.near_tie} near-tie / {cfg.n_agents}, leak {rr.leak} cells"
+            )
             (print if progress else log.info)(msg)
             if not rr.server_alive:
                 break
-    return LoadReport(config=asdict(cfg), pool_cells=pool_cells, prefix_tokens=sorted(set(prefix)),
-                      reference_s=round(reference_s, 2), rounds=rounds, server_rss_mb=round(rss, 1))
+    return LoadReport(
+        config=asdict(cfg),
+        pool_cells=pool_cells,
+        prefix_tokens=sorted(set(prefix)),
+        reference_s=round(reference_s, 2),
+        rounds=rounds,
+        server_rss_mb=round(rss, 1),
+    )
 
 
 def run_load(cfg: LoadConfig, progress: bool = False) -> LoadReport:

@@ -1,0 +1,114 @@
+"""The systems a benchmark compares: polykv, and the stock server in each of its useful modes.
+
+A skeptic compares with the stock llama-server at its best, not at its slowest, so every
+cell runs each stock mode below and a report names the fastest of them per cell ("best
+stock"):
+
+- ``stock``: upstream's defaults for an explicit slot count: one KV stream per slot (no
+  ``-kvu``), the 8 GiB host prompt cache and idle-slot caching on;
+- ``stock_kvu``: the same with unified KV (``-kvu``): every request also scans the other
+  agents' private copies of the base (masked cells are not free);
+- ``stock_cache``: streams plus its built-in reuse tuned for a shared base: host prompt
+  cache, idle-slot caching, slot prompt similarity 0.1, and the base sent once first;
+- ``stock_queued``: the stock server held to the KV budget sharing needs, with as many
+  slots as whole prompts fit; the agents queue, and the host prompt cache and similarity
+  let a slot take up a cached prompt (the base, or an agent's own transcript) again.
+
+and polykv's two modes:
+
+- ``patched``: unified KV, a reserved pool slot primed once, every agent shares its cells;
+- ``copied``: the patched server without ``-kvu`` (one stream per slot): a share copies the
+  pool's whole stream and trims it (status ``copied``), so compute is saved, memory is not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from ..native import ServerKind
+from ..presets import NO_CLEAR_IDLE
+
+Budget = Literal["copies", "shared"]
+
+#: The stock server's reuse switches for a shared base (host cache, idle caching, similarity).
+_STOCK_REUSE = ("--cache-ram", "8192", "--cache-idle-slots", "--slot-prompt-similarity", "0.1")
+
+
+@dataclass(frozen=True)
+class System:
+    """One server recipe a benchmark cell runs."""
+
+    name: str
+    kind: ServerKind
+    flags: tuple[str, ...]  # besides -np, -c, threads and logging
+    share: bool  # agents send the pool fields
+    prime: bool  # the base is sent once before the agents
+    budget: Budget  # "copies": room for every agent's own copy; "shared": the sharing budget, agents queue
+    label: str
+
+    @property
+    def stock(self) -> bool:
+        """True for the pristine server."""
+        return self.kind is ServerKind.UPSTREAM
+
+    @property
+    def unified(self) -> bool:
+        """True when the server runs with one unified KV buffer (``-kvu``)."""
+        return "-kvu" in self.flags
+
+
+SYSTEMS: dict[str, System] = {
+    s.name: s
+    for s in (
+        System("stock", ServerKind.UPSTREAM, (), False, False, "copies", "stock, its defaults (KV streams)"),
+        System("stock_kvu", ServerKind.UPSTREAM, ("-kvu",), False, False, "copies", "stock, -kvu"),
+        System(
+            "stock_cache",
+            ServerKind.UPSTREAM,
+            _STOCK_REUSE,
+            False,
+            True,
+            "copies",
+            "stock, host cache + similarity, base sent first",
+        ),
+        System(
+            "stock_queued",
+            ServerKind.UPSTREAM,
+            _STOCK_REUSE,
+            False,
+            True,
+            "shared",
+            "stock at the sharing KV budget, agents queued",
+        ),
+        System(
+            "patched",
+            ServerKind.PATCHED,
+            ("-kvu", NO_CLEAR_IDLE, "--cache-ram", "0", "--pool-slots", "0"),
+            True,
+            True,
+            "shared",
+            "polykv, pool shared (-kvu)",
+        ),
+        System(
+            "copied",
+            ServerKind.PATCHED,
+            (NO_CLEAR_IDLE, "--cache-ram", "0", "--pool-slots", "0"),
+            True,
+            True,
+            "copies",
+            "polykv without -kvu (pool copied per agent)",
+        ),
+    )
+}
+#: The stock systems, whose fastest per cell is "best stock".
+STOCK = tuple(name for name, s in SYSTEMS.items() if s.stock)
+
+
+def best_stock(walls: dict[str, float | None]) -> tuple[str, float] | None:
+    """The fastest stock system of one cell and its wall time (None if no stock system ran)."""
+    ran = [(w, name) for name, w in walls.items() if name in STOCK and w is not None]
+    if not ran:
+        return None
+    w, name = min(ran)
+    return name, w

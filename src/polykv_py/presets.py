@@ -71,7 +71,7 @@ def kv_debug(track_kv: bool) -> tuple[list[str], dict[str, str] | None]:
 
 def pool_server(
     *,
-    model: str | None = None,
+    model: str | os.PathLike[str] | None = None,
     n_agents_parallel: int = 8,
     ctx: int = 16384,
     threads: int | None = None,
@@ -96,12 +96,13 @@ def pool_server(
     reserve = pool_slot_args([pool_slot]) if patched and pool_slot is not None else []
     recipe = POOL_SERVER_ARGS if patched else REFERENCE_SERVER_ARGS
     args = [*recipe, *slots_args(n_agents_parallel + 1, ctx), *slot_actions_args(), *reserve]
-    return _server(kind, args, extra_args, track_kv, model=model, threads=threads, name=name, env=env, **launch)
+    return custom_server(kind, args, extra_args=extra_args, track_kv=track_kv, model=model, threads=threads, name=name,
+                         env=env, **launch)  # fmt: skip
 
 
 def reference_server(
     *,
-    model: str | None = None,
+    model: str | os.PathLike[str] | None = None,
     n_slots: int = 4,
     ctx: int = 16384,
     threads: int | None = None,
@@ -113,21 +114,21 @@ def reference_server(
 ) -> LlamaServer:
     """The pristine server with a pool server's flags (unified KV, idle slots resident, no host cache)."""
     args = [*REFERENCE_SERVER_ARGS, *slots_args(n_slots, ctx), *slot_actions_args()]
-    return _server(ServerKind.UPSTREAM, args, extra_args, track_kv, model=model, threads=threads, name=name, env=env,
-                   **launch)  # fmt: skip
+    return custom_server(ServerKind.UPSTREAM, args, extra_args=extra_args, track_kv=track_kv, model=model,
+                         threads=threads, name=name, env=env, **launch)  # fmt: skip
 
 
-def _server(
-    kind: ServerKind,
+def custom_server(
+    kind: ServerKind | str,
     args: Sequence[str],
-    extra_args: Sequence[str],
-    track_kv: bool,
     *,
-    threads: int | None,
-    env: Mapping[str, str] | None,
+    extra_args: Sequence[str] = (),
+    track_kv: bool = False,
+    threads: int | None = None,
+    env: Mapping[str, str] | None = None,
     **launch: Any,
 ) -> LlamaServer:
-    """A recipe's server: its flags, then the KV debug flags, then the caller's own (which win)."""
+    """A server for a recipe of one's own: ``args``, then the KV debug flags, then ``extra_args`` (which win)."""
     debug_args, debug_env = kv_debug(track_kv)
     full_env = {**(debug_env or {}), **(env or {})}
     return LlamaServer(kind=kind, args=[*args, *debug_args, *extra_args], threads=threads or DEFAULT_THREADS,

@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Any
 
 import httpx
 import psutil
@@ -101,7 +101,7 @@ def read_log_tail(path: Path, n: int = 40) -> str:
 
 def _load_prctl() -> Callable[..., int] | None:
     try:
-        return ctypes.CDLL(None, use_errno=True).prctl  # type: ignore[no-any-return]
+        return ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
         return None
 
@@ -188,7 +188,7 @@ class LlamaServer:
         self._port: int | None = None
         self._log_path: Path | None = None
         self._proc: subprocess.Popen[bytes] | None = None
-        self._finalizer: weakref.finalize | None = None
+        self._finalizer: weakref.finalize[[subprocess.Popen[bytes], IO[bytes]], LlamaServer] | None = None
         self._log_file: IO[bytes] | None = None
         self._client: Client | None = None
 
@@ -233,11 +233,14 @@ class LlamaServer:
             self._client = Client(self.url, api_key=self.api_key, server=self)
         return self._client
 
-    def async_client(self, **kwargs: object) -> AsyncClient:
-        """A new :class:`~polykv_py.client.AsyncClient` bound to this server (caller closes it)."""
+    def async_client(self, **kwargs: Any) -> AsyncClient:
+        """A new :class:`~polykv_py.client.AsyncClient` bound to this server (caller closes it).
+
+        ``kwargs``: the client's other options (``timeout``, ``max_connections``, ``transport``).
+        """
         from .client import AsyncClient
 
-        return AsyncClient(self.url, api_key=self.api_key, server=self, **kwargs)  # type: ignore[arg-type]
+        return AsyncClient(self.url, api_key=self.api_key, server=self, **kwargs)
 
     def command(self, port: int) -> list[str]:
         """The command line used for ``port``."""
@@ -303,7 +306,7 @@ class LlamaServer:
         die = self._die_with_parent
         if die is None:  # PDEATHSIG follows the creating *thread*: only safe from the main thread
             die = threading.current_thread() is threading.main_thread()
-        log_file = open(self._log_path, "wb")
+        log_file = open(self._log_path, "wb")  # noqa: SIM115 - the process writes it until it is reaped
         log.info("starting %s: %s (log %s)", self.name, " ".join(_redact(cmd)), self._log_path)
         try:
             self._proc = subprocess.Popen(
@@ -313,7 +316,7 @@ class LlamaServer:
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,
-                preexec_fn=_set_pdeathsig if die and _PRCTL is not None else None,
+                preexec_fn=_set_pdeathsig if die and _PRCTL is not None else None,  # noqa: PLW1509 - see above
             )
         except OSError as exc:
             log_file.close()
@@ -423,12 +426,11 @@ class LlamaServer:
         user = system = 0.0
         procs = self.processes()
         for p in procs:
-            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-                with p.oneshot():
-                    rss += p.memory_info().rss
-                    t = p.cpu_times()
-                    user += t.user
-                    system += t.system
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied), p.oneshot():
+                rss += p.memory_info().rss
+                t = p.cpu_times()
+                user += t.user
+                system += t.system
         return ProcessUsage(rss_bytes=rss, cpu_user_s=user, cpu_system_s=system, n_processes=len(procs))
 
 

@@ -45,6 +45,7 @@ from hypothesis import strategies as st
 
 from polykv_py.client import Client, error_message
 from polykv_py.errors import PolykvError
+from polykv_py.presets import pool_server
 from polykv_py.server import LlamaServer
 from polykv_py.tokens import common_prefix_len
 
@@ -125,22 +126,13 @@ class Pool:
 @pytest.fixture(scope="module")
 def pool(patched_server_bin: Path, model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
     logs = tmp_path_factory.mktemp("hostile-logs")
-    args = [
-        "-kvu",
-        "--no-clear-idle",
-        "--cache-ram",
-        "0",
-        "-np",
-        str(N_SLOTS),
-        "-c",
-        "2048",
-        "--slot-save-path",
-        str(logs),
-    ]
-    # one thread: prompts here are a few dozen tokens, and with two, ggml's thread barriers stall badly
-    # whenever another process competes for the two cores (README, engine benchmark)
+    # the pool server's recipe, slot 0 reserved; one thread: prompts here are a few dozen tokens, and with
+    # two, ggml's thread barriers stall badly whenever another process competes for the two cores (README,
+    # engine benchmark)
+    server = pool_server(binary=patched_server_bin, model=model_path, n_agents_parallel=N_SLOTS - 1, ctx=2048,
+                         threads=1, track_kv=False, pool_slot=POOL, log_dir=logs, name="hostile")  # fmt: skip
     with (
-        LlamaServer(patched_server_bin, model_path, args, threads=1, log_dir=logs, name="hostile") as srv,
+        server as srv,
         httpx.Client(
             base_url=srv.url, timeout=120, trust_env=False, limits=httpx.Limits(max_keepalive_connections=0)
         ) as http,

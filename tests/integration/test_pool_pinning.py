@@ -1,5 +1,8 @@
 """``--pool-slots`` (patch 0073): a reserved pool survives upstream's default flags.
 
+The servers here deliberately differ from :func:`polykv_py.presets.pool_server` (upstream's idle-slot
+caching stays on), so their flags are spelled out, from the presets' constants.
+
 Each scenario runs twice, with and without the reservation, on the same flags: the
 unreserved run shows what upstream does to an idle pool slot (the control), the
 reserved run shows the pool staying resident and the share hitting.
@@ -18,6 +21,7 @@ import pytest
 from polykv_py.client import COMPLETION, Client, Share, aggregate
 from polykv_py.errors import ServerError
 from polykv_py.harness.compare import compare_greedy
+from polykv_py.presets import NO_HOST_CACHE, UNIFIED_KV, pool_slot_args, slots_args
 from polykv_py.server import LlamaServer
 
 pytestmark = pytest.mark.integration
@@ -58,7 +62,7 @@ def test_pool_survives_idle_slot_caching(
     reserved: bool, patched_server_bin: Path, model_path: Path, logs: Path
 ) -> None:
     """Upstream's defaults (host cache on, idle slots saved and cleared): only a reserved pool stays."""
-    args = ["-kvu", "-np", "3", "-c", "4096", "--slots"] + (["--pool-slots", "0"] if reserved else [])
+    args = [UNIFIED_KV, *slots_args(3, 4096), "--slots", *pool_slot_args([0] if reserved else [])]
     with start(patched_server_bin, model_path, logs, "idle-cache", args) as srv:
         c = srv.client
         base = text_of(c, 300, 1)
@@ -85,8 +89,8 @@ def test_pool_not_purged_when_kv_runs_out(
     reserved: bool, patched_server_bin: Path, model_path: Path, logs: Path
 ) -> None:
     """Unified KV full: upstream purges idle slots in id order (the pool first); a reserved pool is skipped."""
-    args = ["-kvu", "-np", "3", "-c", "1024", "-b", "256", "-ub", "256", "--cache-ram", "0", "--slots"]
-    args += ["--pool-slots", "0"] if reserved else []
+    args = [UNIFIED_KV, *slots_args(3, 1024), "-b", "256", "-ub", "256", *NO_HOST_CACHE, "--slots"]
+    args += pool_slot_args([0] if reserved else [])
     with start(patched_server_bin, model_path, logs, "purge", args) as srv:
         c = srv.client
         base = text_of(c, 400, 2)
@@ -108,7 +112,7 @@ def test_pool_not_purged_when_kv_runs_out(
 # ----------------------------------------------------------------- scheduling
 def test_unpinned_requests_never_run_on_a_reserved_pool(patched_server_bin: Path, model_path: Path, logs: Path) -> None:
     """More concurrent unpinned requests than free slots wait for a free slot; none lands on the pool."""
-    args = ["-kvu", "-np", "3", "-c", "4096", "--cache-ram", "0", "--slots", "--pool-slots", "0"]
+    args = [UNIFIED_KV, *slots_args(3, 4096), *NO_HOST_CACHE, "--slots", *pool_slot_args([0])]
     with start(patched_server_bin, model_path, logs, "sched", args) as srv:
         c = srv.client
         base = text_of(c, 200, 5)
@@ -145,7 +149,7 @@ def test_bad_pool_slots_stop_the_server_with_a_reason(
     srv = LlamaServer(
         patched_server_bin,
         model_path,
-        ["-np", "3", "-c", "1024", "--pool-slots", value],
+        [*slots_args(3, 1024), "--pool-slots", value],
         log_dir=logs,
         name="bad-pool",
         start_timeout=60,
@@ -167,20 +171,8 @@ def test_reference_server_refuses_pool_slots(model_path: Path, logs: Path) -> No
 def pool_server(
     patched_server_bin: Path, model_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LlamaServer]:
-    args = [
-        "-kvu",
-        "-np",
-        "4",
-        "-c",
-        "4096",
-        "--cache-ram",
-        "0",
-        "--slots",
-        "--pool-slots",
-        "0",
-        "--slot-save-path",
-        str(tmp_path_factory.mktemp("slots")),
-    ]
+    slots = [*slots_args(4, 4096), *pool_slot_args([0]), "--slot-save-path", str(tmp_path_factory.mktemp("slots"))]
+    args = [UNIFIED_KV, *NO_HOST_CACHE, "--slots", *slots]
     with LlamaServer(
         patched_server_bin, model_path, args, log_dir=tmp_path_factory.mktemp("reprime"), name="reprime"
     ) as srv:

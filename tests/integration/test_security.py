@@ -27,7 +27,7 @@ import pytest
 from polykv_py.client import Client, Share
 from polykv_py.errors import HTTPError
 from polykv_py.fanout import Agent, BaseContext, run_fanout
-from polykv_py.presets import POOL_SERVER_ARGS
+from polykv_py.presets import pool_server
 from polykv_py.server import LlamaServer
 
 pytestmark = pytest.mark.integration
@@ -50,12 +50,11 @@ def secured(
     logger.addHandler(caplog_handler)
     old_level = logger.level
     logger.setLevel(logging.INFO)
-    args = [*POOL_SERVER_ARGS, "-np", "3", "-c", "512", "--slot-save-path", str(logs)]
     env = {"LLAMA_SERVER_SLOTS_DEBUG": "0"}  # whatever this environment says: /slots without prompt texts
+    server = pool_server(binary=patched_server_bin, model=model_path, n_agents_parallel=2, ctx=512, threads=1,
+                         track_kv=False, api_key=key, env=env, log_dir=logs, name="secured")  # fmt: skip
     try:
-        with LlamaServer(
-            patched_server_bin, model_path, args, api_key=key, threads=1, log_dir=logs, name="secured", env=env
-        ) as srv:
+        with server as srv:
             yield srv, caplog_handler.text()
     finally:
         logger.removeHandler(caplog_handler)

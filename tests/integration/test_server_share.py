@@ -21,14 +21,15 @@ import pytest
 
 from polykv_py.client import Client, Share
 from polykv_py.errors import HTTPError
+from polykv_py.harness.answers import compare
+from polykv_py.presets import NO_CACHE_IDLE, NO_CLEAR_IDLE, UNIFIED_KV, pool_server, reference_server, slots_args
 from polykv_py.server import LlamaServer
 
 pytestmark = pytest.mark.integration
 
 N_SLOTS = 4
-CTX = ["-c", "8192"]
+CTX = 8192
 GEN: dict[str, Any] = {"n_predict": 12, "temperature": 0, "cache_prompt": True, "n_probs": 3}
-VOLATILE = {"timings", "created", "id", "t_token_generation"}
 
 
 def make_base(n: int = 12) -> str:
@@ -87,23 +88,15 @@ def share(c: Client, prompt: str, p: int, slot: int | None = 1, pool: int = 0, *
     return c.completion(prompt, share=Share(pool, p), **{**GEN, **params})
 
 
-def strip(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {k: strip(v) for k, v in x.items() if k not in VOLATILE}
-    if isinstance(x, (list, tuple)):
-        return [strip(v) for v in x]
-    return x
-
-
 def same_answer(a: dict[str, Any], b: dict[str, Any]) -> None:
     assert a["content"] == b["content"]
     assert a["completion_probabilities"] == b["completion_probabilities"]
 
 
 def start(binary: Path, model: Path, args: list[str], logs: Path, name: str) -> LlamaServer:
-    return LlamaServer(
-        binary, model, [*CTX, "-np", str(N_SLOTS), "--slot-save-path", str(logs), *args], log_dir=logs, name=name
-    ).start()
+    """A server with other flags than a pool server's (each test says why)."""
+    slots = [*slots_args(N_SLOTS, CTX), "--slot-save-path", str(logs)]
+    return LlamaServer(binary, model, [*slots, *args], log_dir=logs, name=name).start()
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +106,10 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def patched(patched_server_bin: Path, model_path: Path, logs: Path) -> Iterator[LlamaServer]:
-    # no host prompt cache: both servers must hold exactly the same KV state (see test_without_fields_...)
-    srv = start(patched_server_bin, model_path, ["-kvu", "--no-clear-idle", "--cache-ram", "0"], logs, "patched-kvu")
+    # no host prompt cache: both servers must hold exactly the same KV state, and no reserved pool slot:
+    # both must schedule an unpinned request alike (see test_without_fields_...)
+    srv = pool_server(binary=patched_server_bin, model=model_path, n_agents_parallel=N_SLOTS - 1, ctx=CTX,
+                      pool_slot=None, track_kv=False, log_dir=logs, name="patched-kvu").start()  # fmt: skip
     try:
         yield srv
     finally:
@@ -123,9 +118,8 @@ def patched(patched_server_bin: Path, model_path: Path, logs: Path) -> Iterator[
 
 @pytest.fixture(scope="module")
 def reference(upstream_server_bin: Path, model_path: Path, logs: Path) -> Iterator[LlamaServer]:
-    srv = start(
-        upstream_server_bin, model_path, ["-kvu", "--no-cache-idle-slots", "--cache-ram", "0"], logs, "upstream-kvu"
-    )
+    srv = reference_server(binary=upstream_server_bin, model=model_path, n_slots=N_SLOTS, ctx=CTX, log_dir=logs,
+                           name="upstream-kvu").start()  # fmt: skip
     try:
         yield srv
     finally:
@@ -379,7 +373,8 @@ def test_without_fields_identical_to_reference(pc: Client, rc: Client) -> None:
         return out
 
     got, ref = session(pc), session(rc)
-    assert strip(got) == strip(ref)
+    same, difference = compare(got, ref)  # only the volatile fields removed, as in the gate
+    assert same, difference
     assert "shared_prefix" not in repr(got)
 
 
@@ -391,14 +386,14 @@ def test_default_idle_caching_evicts_pool_not_resident(
 ) -> None:
     """Without --no-clear-idle the sharer's own launch clears the idle pool: refused, and correct."""
     prompt = BASE + QUESTIONS[0]
-    with start(patched_server_bin, model_path, ["-kvu"], logs, "patched-default") as srv:
+    with start(patched_server_bin, model_path, [UNIFIED_KV], logs, "patched-default") as srv:
         c = srv.client
         p = c.shared_prefix_len(BASE, prompt)
         c.prime(BASE, 0)
         got = share(c, prompt, p)
         assert got["shared_prefix"]["status"] == "not_resident"
         assert got["timings"]["prompt_n"] == len(c.prompt_tokens(prompt))
-    with start(upstream_server_bin, model_path, ["-kvu"], logs, "upstream-default") as srv:
+    with start(upstream_server_bin, model_path, [UNIFIED_KV], logs, "upstream-default") as srv:
         srv.client.prime(BASE, 0)
         ref = srv.client.completion(prompt, id_slot=1, **GEN)
     same_answer(got, ref)
@@ -409,7 +404,7 @@ def test_non_unified_kv_copies_whole_sequence(
 ) -> None:
     """-np without -kvu: one stream per slot. A partial seq_cp would abort; the server copies and trims."""
     prompt = BASE_NN + QUESTIONS[0].lstrip("\n")
-    with start(patched_server_bin, model_path, ["--no-clear-idle"], logs, "patched-streams") as srv:
+    with start(patched_server_bin, model_path, [NO_CLEAR_IDLE], logs, "patched-streams") as srv:
         c = srv.client
         p = c.shared_prefix_len(BASE_NN, prompt)
         c.completion(BASE_NN, id_slot=0, n_predict=4, temperature=0)  # pool longer than P
@@ -420,7 +415,7 @@ def test_non_unified_kv_copies_whole_sequence(
             assert share(c, prompt, p, slot=slot)["shared_prefix"]["status"] == "copied"
         assert share(c, prompt, p + 1, slot=1)["shared_prefix"]["status"] in ("own_cache", "mismatch")
         assert srv.is_alive() and srv.health_state() == "ok"
-    with start(upstream_server_bin, model_path, ["--no-cache-idle-slots"], logs, "upstream-streams") as srv:
+    with start(upstream_server_bin, model_path, [NO_CACHE_IDLE], logs, "upstream-streams") as srv:
         rc = srv.client
         rc.completion(BASE_NN, id_slot=0, n_predict=4, temperature=0)
         ref = rc.completion(prompt, id_slot=0, **GEN)

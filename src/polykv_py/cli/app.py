@@ -14,8 +14,6 @@ from ..presets import SERVE_DEFAULTS
 
 log = logging.getLogger("polykv")
 
-#: Flags `polykv serve` adds unless the user passes their own after `--`.
-
 
 def _cmd_info(args: argparse.Namespace) -> int:
     from ..native import build_info, server_binary
@@ -23,7 +21,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     info = dict(build_info())
     for kind in ("patched", "upstream"):
         try:
-            info[f"{kind}_server"] = str(server_binary(kind))  # type: ignore[arg-type]
+            info[f"{kind}_server"] = str(server_binary(kind))
         except PolykvError as exc:
             info[f"{kind}_server"] = f"missing: {exc}"
     print(json.dumps(info, indent=2))
@@ -62,13 +60,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     defaults = [] if args.no_defaults else list(SERVE_DEFAULTS)
     if args.upstream:  # the reference server would parse --pool-slots (shared libllama-common) and ignore it
         i = defaults.index("--pool-slots")
-        del defaults[i:i + 2]
+        del defaults[i : i + 2]
     cmd += defaults + extra
     if args.api_key:
         cmd += ["--api-key", args.api_key]
     if not _is_loopback(args.host):
-        log.warning("binding %s: reachable from other machines%s", args.host,
-                    "" if args.api_key else " with no API key (anyone can prompt, prime and erase slots)")
+        log.warning(
+            "binding %s: reachable from other machines%s",
+            args.host,
+            "" if args.api_key else " with no API key (anyone can prompt, prime and erase slots)",
+        )
     log.info("exec %s", " ".join(_redact(cmd)))
     sys.stdout.flush()
     os.execv(cmd[0], cmd)
@@ -94,8 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="run the patched llama-server with pool-friendly defaults")
     p.add_argument("--model", "-m", help="GGUF path (default: $POLYKV_MODEL or the default model)")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="bind address (default: 127.0.0.1, loopback only; another address must be given explicitly)")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="bind address (default: 127.0.0.1, loopback only; another address must be given explicitly)",
+    )
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--api-key", default=os.environ.get("POLYKV_API_KEY"), help="require this API key")
     p.add_argument("--upstream", action="store_true", help="run the reference (unpatched) server instead")
@@ -105,8 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from ..harness import gate
 
-    p = sub.add_parser("gate", help="prove the patched server safe: default output, share hit, fallback miss",
-                       description=gate.__doc__.split("\n\n")[0])
+    p = sub.add_parser(
+        "gate",
+        help="prove the patched server safe: default output, share hit, fallback miss",
+        description=gate.__doc__.split("\n\n")[0],
+    )
     gate.add_arguments(p)
     p.set_defaults(func=_cmd_gate)
 
@@ -119,8 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
+    )
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)

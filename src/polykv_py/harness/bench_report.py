@@ -11,6 +11,8 @@ from .report import fmt, ratio, table
 
 log = logging.getLogger(__name__)
 
+Json = dict[str, Any]
+
 LABELS = {
     "reference": "reference (no sharing)",
     "reference_best": "reference + host cache/similarity",
@@ -31,21 +33,21 @@ def cpu_model() -> str:
     return platform.processor()
 
 
-def _round(cell: dict, r: int) -> dict | None:
+def _round(cell: Json, r: int) -> Json | None:
     rounds = cell.get("rounds") or []
     return rounds[r] if len(rounds) > r else None
 
 
-def _index(doc: dict) -> dict[tuple[str, int, int], dict]:
+def _index(doc: Json) -> dict[tuple[str, int, int], Json]:
     return {(c["system"], c["n"], c["p"]): c for c in doc.get("cells", [])}
 
 
-def _targets(cfg: dict, n: int, p_actual: int) -> tuple[int, int]:
+def _targets(cfg: Json, n: int, p_actual: int) -> tuple[int, int]:
     s, g = cfg["suffix"], cfg["gen"]
     return p_actual + n * s, p_actual + n * (s + g)
 
 
-def round_table(doc: dict, r: int) -> str:
+def round_table(doc: Json, r: int) -> str:
     """One row per (P, N, system) for round ``r``."""
     idx = _index(doc)
     cfg = doc["config"]
@@ -88,7 +90,7 @@ def round_table(doc: dict, r: int) -> str:
     return table(headers, rows, markdown=True)
 
 
-def capacity_table(doc: dict) -> str:
+def capacity_table(doc: Json) -> str:
     rows = []
     for c in doc.get("capacity", []):
         steps = "; ".join(
@@ -103,7 +105,7 @@ def capacity_table(doc: dict) -> str:
                  rows, markdown=True)
 
 
-def headline(doc: dict) -> list[str]:
+def headline(doc: Json) -> list[str]:
     """The targets of the issue, checked against what was measured."""
     idx = _index(doc)
     cfg = doc["config"]
@@ -151,7 +153,7 @@ def headline(doc: dict) -> list[str]:
     return lines
 
 
-def markdown(doc: dict) -> str:
+def markdown(doc: Json) -> str:
     """The benchmark report."""
     cfg = doc.get("config", {})
     m = doc.get("machine", {})
@@ -191,7 +193,7 @@ def markdown(doc: dict) -> str:
     return "\n".join(out)
 
 
-def plot(doc: dict, path: Path) -> Path | None:
+def plot(doc: Json, path: Path) -> Path | None:
     """Wall time and peak KV cells against N, per system and P. None when matplotlib is missing."""
     try:
         import matplotlib

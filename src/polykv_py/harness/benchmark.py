@@ -45,7 +45,8 @@ from ..client import AsyncClient
 from ..data import sample_document
 from ..errors import PolykvError
 from ..fanout import Agent, BaseContext, SharedContext
-from ..presets import KV_DEBUG_ARGS, KV_DEBUG_ENV
+from ..native import ServerKind
+from ..presets import UNIFIED_KV, custom_server, pool_server, reference_server, slot_actions_args, slots_args
 from ..results import FanoutResult
 from ..server import LlamaServer
 from .bench_report import cpu_model
@@ -53,15 +54,11 @@ from .kvcells import KV_METHOD, KVCellsLog
 
 log = logging.getLogger(__name__)
 
+Json = dict[str, Any]
+
 SYSTEMS = ("reference", "reference_best", "reference_matched", "patched", "engine")
-SERVER_FLAGS: dict[str, list[str]] = {
-    # the patched server's flags (--no-cache-idle-slots == --no-clear-idle; no host prompt cache)
-    "reference": ["--no-cache-idle-slots", "--cache-ram", "0"],
-    "reference_best": ["--cache-ram", "8192", "--cache-idle-slots", "--slot-prompt-similarity", "0.1"],
-    "patched": ["--no-clear-idle", "--cache-ram", "0"],
-}
-SERVER_FLAGS["reference_matched"] = SERVER_FLAGS["reference"]  # same server, smaller budget
-KIND = {system: "patched" if system == "patched" else "upstream" for system in SERVER_FLAGS}
+#: The reference server's own reuse switched on (host prompt cache, idle-slot caching, slot prompt similarity).
+REFERENCE_BEST_FLAGS = ("--cache-ram", "8192", "--cache-idle-slots", "--slot-prompt-similarity", "0.1")
 FILLER = (
     "Agents review the design of a telemetry pipeline: gateways, a replicated log, a live view and a history "
     "store, with the failure modes, the costs and the rollout plan each of them brings along. "
@@ -139,7 +136,7 @@ class PeakRSS:
         while not self._stop.is_set():
             try:
                 self.peak = max(self.peak, self.server.usage().rss_bytes)
-            except Exception as exc:  # noqa: BLE001 - a sampler must not kill the bench
+            except Exception as exc:  # a sampler must not kill the bench
                 log.debug("RSS sample failed: %s", exc)
             self._stop.wait(self.every)
 
@@ -152,7 +149,7 @@ class PeakRSS:
         self._thread.join()
 
 
-def round_summary(res: FanoutResult, kv_peak: int | None, rss: int | None, metrics_delta: dict[str, float]) -> dict:
+def round_summary(res: FanoutResult, kv_peak: int | None, rss: int | None, metrics_delta: dict[str, float]) -> Json:
     """The numbers of one round."""
     from_start = [a.started_s + a.ttft_s for a in res.agents if a.ttft_s is not None]
     errors = [a.error for a in res.agents if a.error]
@@ -183,12 +180,20 @@ def _metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict[st
 
 # --------------------------------------------------------------------------- server cells
 def start_server(system: str, n_slots: int, ctx: int, cfg: BenchConfig, extra: Sequence[str] = ()) -> LlamaServer:
-    import tempfile
+    """A started server for ``system`` with ``n_slots`` slots and ``ctx`` KV cells, logging its KV cells in use.
 
-    args = ["-kvu", "-np", str(n_slots), "-c", str(ctx), "--slots", *KV_DEBUG_ARGS,
-            "--slot-save-path", tempfile.mkdtemp(prefix="polykv-bench-slots-"), *SERVER_FLAGS[system], *extra]
-    server = LlamaServer(kind=KIND[system], model=cfg.model, args=args, threads=cfg.threads,  # type: ignore[arg-type]
-                         env=dict(KV_DEBUG_ENV), name=f"bench-{system}")
+    ``patched`` is the pool server's recipe with no slot reserved (the grid was measured so);
+    ``reference`` and ``reference_matched`` the reference server's recipe (the same flags in
+    upstream's names); ``reference_best`` unified KV with upstream's own reuse switched on.
+    """
+    common: dict[str, Any] = {"model": cfg.model, "threads": cfg.threads, "track_kv": True, "name": f"bench-{system}"}
+    if system == "patched":
+        server = pool_server(n_agents_parallel=n_slots - 1, ctx=ctx, pool_slot=None, extra_args=extra, **common)
+    elif system == "reference_best":
+        args = [UNIFIED_KV, *slots_args(n_slots, ctx), "--slots", *slot_actions_args(), *REFERENCE_BEST_FLAGS]
+        server = custom_server(ServerKind.UPSTREAM, args, extra_args=extra, **common)
+    else:
+        server = reference_server(n_slots=n_slots, ctx=ctx, extra_args=extra, **common)
     return server.start()
 
 
@@ -202,7 +207,7 @@ def make_inputs(server: LlamaServer, p: int, n: int, s: int, rounds: int = 1) ->
 
 async def _fanout_round(
     ctx: SharedContext, agents: list[Agent], kv: KVCellsLog, server: LlamaServer, prime: bool
-) -> dict:
+) -> Json:
     before = await ctx.client.metrics()
     kv.mark()
     with PeakRSS(server) as rss:
@@ -215,7 +220,7 @@ async def _fanout_round(
     return out
 
 
-def run_server_cell(system: str, n: int, p: int, cfg: BenchConfig) -> dict:
+def run_server_cell(system: str, n: int, p: int, cfg: BenchConfig) -> Json:
     """Every round of one (system, N, P) on a fresh server."""
     if system == "reference_matched":
         ctx_cells, slots = matched_budget(n, p, cfg.suffix, cfg.gen)
@@ -228,38 +233,63 @@ def run_server_cell(system: str, n: int, p: int, cfg: BenchConfig) -> dict:
         params = {"n_predict": cfg.gen, "ignore_eos": True, "temperature": 0.0}
         share = system == "patched"
 
-        async def go() -> list[dict]:
+        async def go() -> list[Json]:
             async with AsyncClient(server.url, server=server, timeout=cfg.cell_timeout) as client:
                 sc = SharedContext(client, BaseContext.from_text(base), share=share, concurrency=concurrency)
                 kv = KVCellsLog(server.log_path)
                 rounds = []
                 for r in range(cfg.rounds):
-                    agents = [Agent(sfx, name=f"a{i}", mode="completion", params=params)
-                              for i, sfx in enumerate(suffixes[r])]
+                    agents = [
+                        Agent(sfx, name=f"a{i}", mode="completion", params=params) for i, sfx in enumerate(suffixes[r])
+                    ]
                     prime = (r == 0) and system in ("patched", "reference_best")
                     rounds.append(await _fanout_round(sc, agents, kv, server, prime))
                 return rounds
 
         rounds = asyncio.run(asyncio.wait_for(go(), cfg.cell_timeout))
-        return {"system": system, "n": n, "p": p, "ctx": ctx_cells, "slots": slots, "concurrency": concurrency,
-                "server_args": server.args, "rounds": rounds, "_inputs": (base, suffixes)}
+        return {
+            "system": system,
+            "n": n,
+            "p": p,
+            "ctx": ctx_cells,
+            "slots": slots,
+            "concurrency": concurrency,
+            "server_args": server.args,
+            "rounds": rounds,
+            "_inputs": (base, suffixes),
+        }
     finally:
         server.stop()
 
 
 # --------------------------------------------------------------------------- engine cells
-def run_engine_cell(n: int, p: int, cfg: BenchConfig, base: str, suffixes: list[list[str]]) -> dict:
+def run_engine_cell(n: int, p: int, cfg: BenchConfig, base: str, suffixes: list[list[str]]) -> Json:
     """Every round in the in-process engine, in a child process (its RSS is the engine's)."""
-    job = {"n": n, "p": p, "suffix": cfg.suffix, "gen": cfg.gen, "rounds": cfg.rounds, "threads": cfg.threads,
-           "model": cfg.model, "base": base, "suffixes": suffixes}
-    proc = subprocess.run([sys.executable, "-m", "polykv_py.harness.benchmark", "--engine-cell", "-"], input=json.dumps(job),
-                          capture_output=True, text=True, timeout=cfg.cell_timeout, check=False)
+    job = {
+        "n": n,
+        "p": p,
+        "suffix": cfg.suffix,
+        "gen": cfg.gen,
+        "rounds": cfg.rounds,
+        "threads": cfg.threads,
+        "model": cfg.model,
+        "base": base,
+        "suffixes": suffixes,
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "polykv_py.harness.benchmark", "--engine-cell", "-"],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        timeout=cfg.cell_timeout,
+        check=False,
+    )
     if proc.returncode != 0:
         raise PolykvError(f"engine cell failed (exit {proc.returncode}): {proc.stderr.strip()[-800:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _engine_child(job: dict) -> dict:
+def _engine_child(job: Json) -> Json:
     import resource
 
     from ..engine import GenerationParams, SharedPrefixEngine
@@ -279,34 +309,37 @@ def _engine_child(job: dict) -> dict:
             for r in range(job["rounds"]):
                 res = eng.run(job["base"], job["suffixes"][r], gp, share=True, measure_kv=True)
                 ft = [a.timings.first_token_s for a in res.agents]
-                prompt = (0 if res.prefix_reused else len(res.prefix_tokens)) + sum(len(a.suffix_tokens)
-                                                                                    for a in res.agents)
-                rounds.append({
-                    "wall_s": round(res.timings["wall_s"], 3),
-                    "prime_s": round(res.timings["prefix_s"], 3),
-                    "ttft_mean_s": round(mean(ft), 3),
-                    "ttft_p50_s": round(median(ft), 3),
-                    "ttft_max_s": round(max(ft), 3),
-                    "ttft_from": "run start (prefix decode included)",
-                    "prompt_tokens_processed": prompt,
-                    "prompt_tokens_metrics": res.tokens_processed,
-                    "prefix_tokens": len(res.prefix_tokens),
-                    "pool_tokens": len(res.prefix_tokens),
-                    "mean_prompt_tokens": round(mean(len(a.prompt_tokens) for a in res.agents), 1),
-                    "generated": sum(len(a.tokens) for a in res.agents),
-                    "kv_cells_peak": max((res.kv_cells or {}).values(), default=None),
-                    "rss_peak_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-                    "statuses": {f"{res.mode}{' (prefix reused)' if res.prefix_reused else ''}": n},
-                    "errors": [],
-                    "n_errors": 0,
-                    "kv_evictions": 0,
-                })
+                prompt = (0 if res.prefix_reused else len(res.prefix_tokens)) + sum(
+                    len(a.suffix_tokens) for a in res.agents
+                )
+                rounds.append(
+                    {
+                        "wall_s": round(res.timings["wall_s"], 3),
+                        "prime_s": round(res.timings["prefix_s"], 3),
+                        "ttft_mean_s": round(mean(ft), 3),
+                        "ttft_p50_s": round(median(ft), 3),
+                        "ttft_max_s": round(max(ft), 3),
+                        "ttft_from": "run start (prefix decode included)",
+                        "prompt_tokens_processed": prompt,
+                        "prompt_tokens_metrics": res.tokens_processed,
+                        "prefix_tokens": len(res.prefix_tokens),
+                        "pool_tokens": len(res.prefix_tokens),
+                        "mean_prompt_tokens": round(mean(len(a.prompt_tokens) for a in res.agents), 1),
+                        "generated": sum(len(a.tokens) for a in res.agents),
+                        "kv_cells_peak": max((res.kv_cells or {}).values(), default=None),
+                        "rss_peak_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                        "statuses": {f"{res.mode}{' (prefix reused)' if res.prefix_reused else ''}": n},
+                        "errors": [],
+                        "n_errors": 0,
+                        "kv_evictions": 0,
+                    }
+                )
         log.debug("engine cell done in %.1fs", time.perf_counter() - t_load)
     return {"system": "engine", "n": n, "p": job["p"], "ctx": params.n_ctx, "server_args": [], "rounds": rounds}
 
 
 # --------------------------------------------------------------------------- capacity
-def capacity_probe(system: str, cfg: BenchConfig, deadline: float) -> dict:
+def capacity_probe(system: str, cfg: BenchConfig, deadline: float) -> Json:
     """Largest N that runs concurrently at ``-c capacity_ctx`` with P = ``capacity_p``.
 
     One server with a slot per agent (plus one); each step empties the agent slots, runs
@@ -318,12 +351,20 @@ def capacity_probe(system: str, cfg: BenchConfig, deadline: float) -> dict:
     per_agent = p + cfg.suffix + cfg.gen
     predicted = (c_cells - p) // (cfg.suffix + cfg.gen) if share else c_cells // per_agent
     predicted = max(1, min(predicted, cfg.capacity_max))
-    candidates = list(cfg.capacity_n.get(system) or ([predicted, predicted + 1] if predicted < cfg.capacity_max
-                                                     else [predicted]))
+    candidates = list(
+        cfg.capacity_n.get(system) or ([predicted, predicted + 1] if predicted < cfg.capacity_max else [predicted])
+    )
     slots = max(candidates) + 1
-    steps: list[dict] = []
-    out: dict[str, Any] = {"system": system, "ctx": c_cells, "p": p, "slots": slots, "predicted": predicted,
-                           "candidates": candidates, "steps": steps}
+    steps: list[Json] = []
+    out: dict[str, Any] = {
+        "system": system,
+        "ctx": c_cells,
+        "p": p,
+        "slots": slots,
+        "predicted": predicted,
+        "candidates": candidates,
+        "steps": steps,
+    }
     server = start_server(system, slots, c_cells, cfg)
     try:
         base, suffixes = make_inputs(server, p, max(candidates), cfg.suffix)
@@ -331,8 +372,9 @@ def capacity_probe(system: str, cfg: BenchConfig, deadline: float) -> dict:
         agents = [Agent(sfx, name=f"a{i}", mode="completion", params=params) for i, sfx in enumerate(suffixes[0])]
 
         async def go() -> None:
-            async with AsyncClient(server.url, server=server, timeout=cfg.capacity_timeout + 60,
-                                   max_connections=slots + 8) as client:  # every agent in flight at once
+            async with AsyncClient(
+                server.url, server=server, timeout=cfg.capacity_timeout + 60, max_connections=slots + 8
+            ) as client:  # every agent in flight at once
                 sc = SharedContext(client, BaseContext.from_text(base), share=share)
                 kv = KVCellsLog(server.log_path)
                 if share:
@@ -348,19 +390,28 @@ def capacity_probe(system: str, cfg: BenchConfig, deadline: float) -> dict:
                     sc.concurrency = n
                     t0 = time.perf_counter()
                     try:
-                        res = await asyncio.wait_for(sc.run(agents[:n], prime=False), max(1.0, deadline - time.monotonic()))
+                        res = await asyncio.wait_for(
+                            sc.run(agents[:n], prime=False), max(1.0, deadline - time.monotonic())
+                        )
                     except TimeoutError:
                         steps.append({"n": n, "fits": None, "note": "timed out (time budget)"})
                         return
                     await asyncio.sleep(0.3)
                     reading = kv.read()
-                    bad = [a for a in res.agents if a.error or a.n_generated < cfg.gen
-                           or (share and a.status != "hit")]
+                    bad = [a for a in res.agents if a.error or a.n_generated < cfg.gen or (share and a.status != "hit")]
                     fits = not bad and reading.evictions == 0 and reading.peak <= c_cells
-                    steps.append({"n": n, "fits": fits, "wall_s": round(time.perf_counter() - t0, 2),
-                                  "kv_cells_peak": reading.peak, "kv_evictions": reading.evictions,
-                                  "statuses": res.statuses, "n_bad": len(bad),
-                                  "errors": [a.error for a in bad if a.error][:2]})
+                    steps.append(
+                        {
+                            "n": n,
+                            "fits": fits,
+                            "wall_s": round(time.perf_counter() - t0, 2),
+                            "kv_cells_peak": reading.peak,
+                            "kv_evictions": reading.evictions,
+                            "statuses": res.statuses,
+                            "n_bad": len(bad),
+                            "errors": [a.error for a in bad if a.error][:2],
+                        }
+                    )
 
         asyncio.run(go())
     except PolykvError as exc:
@@ -375,7 +426,7 @@ def capacity_probe(system: str, cfg: BenchConfig, deadline: float) -> dict:
 
 
 # --------------------------------------------------------------------------- driver
-def machine_info(cfg: BenchConfig) -> dict:
+def machine_info(cfg: BenchConfig) -> Json:
     import psutil
 
     return {
@@ -394,8 +445,8 @@ class Bench:
 
     def __init__(self, cfg: BenchConfig) -> None:
         self.cfg = cfg
-        self.cells: list[dict] = []
-        self.capacity: list[dict] = []
+        self.cells: list[Json] = []
+        self.capacity: list[Json] = []
         self.notes: list[str] = []
         self.doc: dict[str, Any] = {}
         self.t0 = time.perf_counter()
@@ -404,7 +455,7 @@ class Bench:
         sys.stderr.write(f"[{time.perf_counter() - self.t0:8.1f}s] {msg}\n")
         sys.stderr.flush()
 
-    def run(self) -> dict:
+    def run(self) -> Json:
         cfg = self.cfg
         from ..models import resolve_model
         from ..native import server_binary
@@ -414,14 +465,14 @@ class Bench:
             "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()},
             "machine": machine_info(cfg),
             "model": str(model),
-            "binaries": {k: str(server_binary(k)) for k in ("patched", "upstream")},  # type: ignore[arg-type]
+            "binaries": {k: str(server_binary(k)) for k in ("patched", "upstream")},
             "kv_cells_method": KV_METHOD,
             "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         }
         if cfg.capacity_only:
             return self._capacity_only()
         grid = [(n, p, s) for p in cfg.ps for n in cfg.ns for s in cfg.systems]
-        engine_inputs: dict[tuple[int, int], tuple[str, list[str]]] = {}
+        engine_inputs: dict[tuple[int, int], tuple[str, list[list[str]]]] = {}
         engine_ok = "engine" in cfg.systems
         for k, (n, p, system) in enumerate(grid, 1):
             label = f"[{k}/{len(grid)}] {system} N={n} P={p}"
@@ -454,8 +505,10 @@ class Bench:
             if rounds:
                 r1 = rounds[0]
                 r2 = f", round 2 {rounds[1]['wall_s']:.1f}s" if len(rounds) > 1 else ""
-                self.say(f"{label}: {r1['wall_s']:.1f}s, {r1['prompt_tokens_processed']} prompt tokens, "
-                         f"KV peak {r1['kv_cells_peak']}{r2}")
+                self.say(
+                    f"{label}: {r1['wall_s']:.1f}s, {r1['prompt_tokens_processed']} prompt tokens, "
+                    f"KV peak {r1['kv_cells_peak']}{r2}"
+                )
             else:
                 self.say(f"{label}: error {cell.get('error', '')[:200]}")
             self.write()
@@ -472,11 +525,13 @@ class Bench:
             self.say(f"capacity probe {system}: -c {cfg.capacity_ctx}, P={cfg.capacity_p} ...")
             res = capacity_probe(system, cfg, time.monotonic() + cfg.capacity_timeout)
             self.capacity.append(res)
-            self.say(f"capacity {system}: largest fitting N = {res.get('largest_fitting')}, "
-                     f"smallest failing = {res.get('smallest_failing')} (predicted {res.get('predicted')})")
+            self.say(
+                f"capacity {system}: largest fitting N = {res.get('largest_fitting')}, "
+                f"smallest failing = {res.get('smallest_failing')} (predicted {res.get('predicted')})"
+            )
             self.write()
 
-    def _capacity_only(self) -> dict:
+    def _capacity_only(self) -> Json:
         """Run only the capacity probe, keeping the grid cells of an earlier run in the same folder."""
         old = self.cfg.out_dir / "fanout.json"
         if old.is_file():
@@ -489,8 +544,10 @@ class Bench:
                     self.doc[key] = prev[key]
             self.doc["config"]["capacity_timeout"] = self.cfg.capacity_timeout
             self.doc["config"]["capacity_n"] = self.cfg.capacity_n
-            self.notes.append(f"capacity probe run separately ({time.strftime('%Y-%m-%d %H:%M:%S')}, "
-                              f"load average {[round(x, 2) for x in os.getloadavg()]})")
+            self.notes.append(
+                f"capacity probe run separately ({time.strftime('%Y-%m-%d %H:%M:%S')}, "
+                f"load average {[round(x, 2) for x in os.getloadavg()]})"
+            )
         self._capacity()
         self.doc["machine"]["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
         self.doc["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -528,17 +585,28 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--capacity-max", type=int, default=128, help="largest N the capacity probe tries (default 128)")
     ap.add_argument("--capacity-patched", type=int, nargs="+", help="N the capacity probe tries on the patched server")
     ap.add_argument("--capacity-reference", type=int, nargs="+", help="N the capacity probe tries on the reference")
-    ap.add_argument("--capacity-only", action="store_true",
-                    help="run only the capacity probe (keeps the grid of fanout.json in --out)")
+    ap.add_argument(
+        "--capacity-only",
+        action="store_true",
+        help="run only the capacity probe (keeps the grid of fanout.json in --out)",
+    )
     ap.add_argument("--model", "-m", help="GGUF path (default: the default model)")
     ap.add_argument("--out", default="bench/results", help="output folder (default bench/results)")
     ap.add_argument("--engine-cell", help=argparse.SUPPRESS)
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    cfg = BenchConfig(suffix=args.suffix, gen=args.gen, rounds=args.rounds, threads=args.threads,
-                      capacity=not args.no_capacity, capacity_max=args.capacity_max, out_dir=Path(args.out),
-                      model=args.model, quick=args.quick)
+    cfg = BenchConfig(
+        suffix=args.suffix,
+        gen=args.gen,
+        rounds=args.rounds,
+        threads=args.threads,
+        capacity=not args.no_capacity,
+        capacity_max=args.capacity_max,
+        out_dir=Path(args.out),
+        model=args.model,
+        quick=args.quick,
+    )
     if args.quick:
         cfg.ns, cfg.ps, cfg.capacity_timeout = [8, 4, 2, 1], [2048], 420.0  # the target cell (N=8) first
         cfg.capacity_n = {"patched": [100], "reference": [3, 4]}
@@ -561,20 +629,23 @@ def run_from_args(args: argparse.Namespace) -> int:
     """Run the benchmark (or, internally, one engine cell) for parsed arguments."""
     if args.engine_cell:
         job = json.loads(sys.stdin.read() if args.engine_cell == "-" else args.engine_cell)
-        print(json.dumps(_engine_child(job)))
+        sys.stdout.write(json.dumps(_engine_child(job)) + "\n")  # the cell's result, read by the parent
         return 0
     cfg = config_from_args(args)
     bench = Bench(cfg)
     bench.run()
-    bench.say(f"wrote {cfg.out_dir}/fanout.json, fanout.md"
-              + (", fanout.png" if (cfg.out_dir / "fanout.png").exists() else ""))
+    bench.say(
+        f"wrote {cfg.out_dir}/fanout.json, fanout.md"
+        + (", fanout.png" if (cfg.out_dir / "fanout.png").exists() else "")
+    )
     return 0
 
 
 def parse_args(argv: Sequence[str] | None) -> BenchConfig | None:
     """The configuration for command-line arguments (None for an internal engine cell)."""
-    ap = argparse.ArgumentParser(prog="polykv bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="polykv bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_arguments(ap)
     args = ap.parse_args(argv)
     return None if args.engine_cell else config_from_args(args)
@@ -583,8 +654,9 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig | None:
 def main(argv: Sequence[str] | None = None) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    ap = argparse.ArgumentParser(prog="polykv bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="polykv bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_arguments(ap)
     return run_from_args(ap.parse_args(argv))
 

@@ -1,12 +1,16 @@
-"""Ownership of one C object: the pattern Model, Context and Sampler share."""
+"""Ownership of one C object (the pattern Model, Context and Sampler share), and plain
+read-only attributes that call a libllama getter on an object's pointer."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Generic, Protocol, Self, TypeVar, overload
 
 from .._ffi import ffi
 from ..errors import LlamaError
+
+_T = TypeVar("_T")
 
 
 class OwnedPointer:
@@ -47,3 +51,32 @@ class OwnedPointer:
 
     def __del__(self) -> None:
         self.close()
+
+
+class _HasPtr(Protocol):
+    @property
+    def ptr(self) -> Any: ...
+
+
+class CGetter(Generic[_T]):
+    """A read-only attribute whose value is ``convert(getter(obj.ptr))``.
+
+    For the one-argument libllama getters: ``n_layer = CGetter(lib.llama_model_n_layer, int)``.
+    Read on every access, so a closed owner raises like any other use.
+    """
+
+    def __init__(self, getter: Callable[[Any], Any], convert: Callable[[Any], _T], doc: str | None = None) -> None:
+        self._getter = getter
+        self._convert = convert
+        self.__doc__ = doc
+
+    @overload
+    def __get__(self, obj: None, owner: type[Any] | None = None) -> Self: ...
+
+    @overload
+    def __get__(self, obj: _HasPtr, owner: type[Any] | None = None) -> _T: ...
+
+    def __get__(self, obj: _HasPtr | None, owner: type[Any] | None = None) -> Self | _T:
+        if obj is None:
+            return self
+        return self._convert(self._getter(obj.ptr))

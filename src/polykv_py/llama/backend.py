@@ -40,7 +40,7 @@ def _polykv_log_callback(level: int, text: object, user_data: object) -> None:
         msg = ffi.string(text).decode("utf-8", errors="replace").rstrip("\n")
         if msg:
             native_log.log(py_level, "%s", msg)
-    except Exception:  # noqa: BLE001, S110 - an exception must never propagate into C
+    except Exception:  # an exception must never propagate into C
         pass
 
 

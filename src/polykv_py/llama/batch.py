@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Self
 
-from .._ffi import ffi, lib
+from .._ffi import lib
 from ..errors import LlamaError, SequenceError, TokenError
+from ._check import check_ptr
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -29,8 +30,7 @@ class Batch:
         self.capacity = capacity
         self.max_seqs_per_token = max_seqs_per_token
         self._b: Any = lib.llama_batch_init(capacity, 0, max_seqs_per_token)
-        if self._b.token == ffi.NULL:
-            raise LlamaError(f"llama_batch_init({capacity}) failed")
+        check_ptr(self._b.token, f"llama_batch_init({capacity})")
         self._owned = True
         self.clear()
 

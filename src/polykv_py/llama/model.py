@@ -13,13 +13,13 @@ from .._ffi import ffi, lib
 from ..errors import ModelError
 from ..models import resolve_model
 from ._check import check_ptr
-from ._owned import OwnedPointer
+from ._owned import CGetter, OwnedPointer
 from .backend import ensure_backend
 from .vocab import Vocab
 
 if TYPE_CHECKING:
-
-    from .context import Context, ContextParams
+    from .context import Context
+    from .params import ContextParams
 
 log = logging.getLogger(__name__)
 
@@ -65,30 +65,16 @@ class Model(OwnedPointer):
             ctx.close()
         lib.llama_model_free(ptr)
 
-    def _register(self, ctx: Context) -> None:
+    def track_context(self, ctx: Context) -> None:
+        """Close ``ctx`` when this model closes (every :class:`Context` calls this on creation)."""
         self._contexts.add(ctx)
 
     # -- properties -----------------------------------------------------------------
-    @property
-    def n_ctx_train(self) -> int:
-        return int(lib.llama_model_n_ctx_train(self.ptr))
-
-    @property
-    def n_embd(self) -> int:
-        return int(lib.llama_model_n_embd(self.ptr))
-
-    @property
-    def n_layer(self) -> int:
-        return int(lib.llama_model_n_layer(self.ptr))
-
-    @property
-    def n_params(self) -> int:
-        return int(lib.llama_model_n_params(self.ptr))
-
-    @property
-    def size(self) -> int:
-        """Bytes of all tensors."""
-        return int(lib.llama_model_size(self.ptr))
+    n_ctx_train = CGetter(lib.llama_model_n_ctx_train, int, "Context length the model was trained with.")
+    n_embd = CGetter(lib.llama_model_n_embd, int, "Embedding width.")
+    n_layer = CGetter(lib.llama_model_n_layer, int, "Number of layers.")
+    n_params = CGetter(lib.llama_model_n_params, int, "Number of parameters.")
+    size = CGetter(lib.llama_model_size, int, "Bytes of all tensors.")
 
     @property
     def description(self) -> str:

@@ -10,7 +10,6 @@ from ._owned import OwnedPointer
 from .params import SamplingParams
 
 if TYPE_CHECKING:
-
     from .context import Context
 
 

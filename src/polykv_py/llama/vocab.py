@@ -6,7 +6,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._ffi import ffi, lib
-from ..errors import LlamaError, ModelError, TokenError
+from ..errors import ModelError, TokenError
+from ._check import check_template, read_sized
+from ._owned import CGetter
 
 if TYPE_CHECKING:
     from .model import Model
@@ -19,47 +21,31 @@ class Vocab:
 
     def __init__(self, model: Model) -> None:
         self._model = model
-        self.n_tokens: int = int(lib.llama_vocab_n_tokens(self._ptr))
+        self.n_tokens: int = int(lib.llama_vocab_n_tokens(self.ptr))
 
     @property
-    def _ptr(self) -> Any:
+    def ptr(self) -> Any:
+        """The model's ``llama_vocab`` (raises :class:`LlamaError` once the model is closed)."""
         return lib.llama_model_get_vocab(self._model.ptr)
 
     # -- special tokens -------------------------------------------------------------
-    @property
-    def bos(self) -> int:
-        return int(lib.llama_vocab_bos(self._ptr))
-
-    @property
-    def eos(self) -> int:
-        return int(lib.llama_vocab_eos(self._ptr))
-
-    @property
-    def eot(self) -> int:
-        return int(lib.llama_vocab_eot(self._ptr))
-
-    @property
-    def nl(self) -> int:
-        return int(lib.llama_vocab_nl(self._ptr))
-
-    @property
-    def add_bos(self) -> bool:
-        return bool(lib.llama_vocab_get_add_bos(self._ptr))
-
-    @property
-    def add_eos(self) -> bool:
-        return bool(lib.llama_vocab_get_add_eos(self._ptr))
+    bos = CGetter(lib.llama_vocab_bos, int, "Beginning-of-sequence token.")
+    eos = CGetter(lib.llama_vocab_eos, int, "End-of-sequence token.")
+    eot = CGetter(lib.llama_vocab_eot, int, "End-of-turn token.")
+    nl = CGetter(lib.llama_vocab_nl, int, "Newline token.")
+    add_bos = CGetter(lib.llama_vocab_get_add_bos, bool, "Whether tokenizing with add_special adds BOS.")
+    add_eos = CGetter(lib.llama_vocab_get_add_eos, bool, "Whether tokenizing with add_special adds EOS.")
 
     def is_eog(self, token: int) -> bool:
         """Whether ``token`` ends generation (EOS, EOT, ...)."""
-        return bool(lib.llama_vocab_is_eog(self._ptr, self.check_token(token)))
+        return bool(lib.llama_vocab_is_eog(self.ptr, self.check_token(token)))
 
     def is_control(self, token: int) -> bool:
-        return bool(lib.llama_vocab_is_control(self._ptr, self.check_token(token)))
+        return bool(lib.llama_vocab_is_control(self.ptr, self.check_token(token)))
 
     def token_text(self, token: int) -> str:
         """The raw vocabulary entry of ``token`` (not detokenized)."""
-        return ffi.string(lib.llama_vocab_get_text(self._ptr, self.check_token(token))).decode("utf-8", "replace")
+        return ffi.string(lib.llama_vocab_get_text(self.ptr, self.check_token(token))).decode("utf-8", "replace")
 
     # -- validation -----------------------------------------------------------------
     def check_token(self, token: int) -> int:
@@ -85,28 +71,22 @@ class Vocab:
         data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
         if len(data) > _INT32_MAX:
             raise TokenError("text too long to tokenize (more than 2**31 - 1 bytes)")
-        cap = len(data) + 8
-        for _ in range(2):
-            buf = ffi.new("llama_token[]", cap)
-            n = lib.llama_tokenize(self._ptr, data, len(data), buf, cap, add_special, parse_special)
-            if n >= 0:
-                return list(ffi.unpack(buf, n))
-            if n == -(2**31):
-                raise TokenError("tokenization overflowed int32")
-            cap = -n
-        raise LlamaError("llama_tokenize kept asking for a larger buffer")
+        vocab = self.ptr
+
+        def fill(buf: Any, cap: int) -> int:
+            return int(lib.llama_tokenize(vocab, data, len(data), buf, cap, add_special, parse_special))
+
+        return list(read_sized(fill, len(data) + 8, "llama_tokenize", ctype="llama_token[]"))
 
     def token_to_piece(self, token: int, *, special: bool = False) -> bytes:
         """The bytes ``token`` detokenizes to on its own (may be part of a UTF-8 character)."""
         self.check_token(token)
-        cap = 64
-        for _ in range(2):
-            buf = ffi.new("char[]", cap)
-            n = lib.llama_token_to_piece(self._ptr, token, buf, cap, 0, special)
-            if n >= 0:
-                return ffi.unpack(buf, n)
-            cap = -n
-        raise LlamaError("llama_token_to_piece kept asking for a larger buffer")
+        vocab = self.ptr
+
+        def fill(buf: Any, cap: int) -> int:
+            return int(lib.llama_token_to_piece(vocab, token, buf, cap, 0, special))
+
+        return bytes(read_sized(fill, 64, "llama_token_to_piece"))
 
     def detokenize_bytes(
         self, tokens: Sequence[int], *, remove_special: bool = False, unparse_special: bool = False
@@ -114,15 +94,12 @@ class Vocab:
         toks = self.check_tokens(tokens)
         if not toks:
             return b""
-        arr = ffi.new("llama_token[]", toks)
-        cap = max(64, 8 * len(toks))
-        for _ in range(2):
-            buf = ffi.new("char[]", cap)
-            n = lib.llama_detokenize(self._ptr, arr, len(toks), buf, cap, remove_special, unparse_special)
-            if n >= 0:
-                return ffi.unpack(buf, n)
-            cap = -n
-        raise LlamaError("llama_detokenize kept asking for a larger buffer")
+        vocab, arr = self.ptr, ffi.new("llama_token[]", toks)
+
+        def fill(buf: Any, cap: int) -> int:
+            return int(lib.llama_detokenize(vocab, arr, len(toks), buf, cap, remove_special, unparse_special))
+
+        return bytes(read_sized(fill, max(64, 8 * len(toks)), "llama_detokenize"))
 
     def detokenize(self, tokens: Sequence[int], *, remove_special: bool = False, unparse_special: bool = False) -> str:
         """Text of ``tokens`` (invalid UTF-8, e.g. a cut multi-byte character, becomes U+FFFD)."""
@@ -156,13 +133,10 @@ class Vocab:
             keep += (r, c)
             msgs[i].role, msgs[i].content = r, c
         tmpl_c = ffi.new("char[]", tmpl.encode())
+
+        def fill(buf: Any, cap: int) -> int:  # answers the full length, which may exceed cap
+            n = check_template(int(lib.llama_chat_apply_template(tmpl_c, msgs, len(messages), add_assistant, buf, cap)))
+            return n if n <= cap else -n
+
         cap = max(256, 2 * sum(len(m["content"]) + len(m["role"]) for m in messages) + 256)
-        for _ in range(2):
-            buf = ffi.new("char[]", cap)
-            n = lib.llama_chat_apply_template(tmpl_c, msgs, len(messages), add_assistant, buf, cap)
-            if n < 0:
-                raise LlamaError("llama_chat_apply_template does not support this chat template")
-            if n <= cap:
-                return ffi.unpack(buf, n).decode("utf-8", errors="replace")
-            cap = n
-        raise LlamaError("llama_chat_apply_template kept asking for a larger buffer")
+        return bytes(read_sized(fill, cap, "llama_chat_apply_template")).decode("utf-8", errors="replace")

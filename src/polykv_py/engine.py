@@ -146,9 +146,9 @@ class SharedPrefixEngine:
             raise ValueError("suffixes must be a non-empty list (one entry per agent)")
         if tokenization not in ("joint", "separate"):
             raise ValueError(f"tokenization must be 'joint' or 'separate', not {tokenization!r}")
-        if isinstance(prefix, str) and tokenization == "joint" and all(isinstance(s, str) for s in suffixes):
-            fulls = [vocab.tokenize(prefix + s) for s in suffixes]  # type: ignore[operator]
-            pre, sufs = split_joint(vocab.tokenize(prefix), fulls)
+        texts = [s for s in suffixes if isinstance(s, str)]
+        if isinstance(prefix, str) and tokenization == "joint" and len(texts) == len(suffixes):
+            pre, sufs = split_joint(vocab.tokenize(prefix), [vocab.tokenize(prefix + s) for s in texts])
         else:
             pre = vocab.tokenize(prefix) if isinstance(prefix, str) else vocab.check_tokens(prefix)
             sufs = [
@@ -196,7 +196,7 @@ class SharedPrefixEngine:
         """Make sequence 0 hold ``tokens``; returns True if it already did (nothing decoded)."""
         toks = self.model.vocab.check_tokens(tokens)
         mem = self.ctx.memory
-        if self._prefix == toks and (mem.seq_pos_min(PREFIX_SEQ), mem.seq_pos_max(PREFIX_SEQ)) == (0, len(toks) - 1):
+        if self._prefix == toks and mem.seq_pos_range(PREFIX_SEQ) == (0, len(toks) - 1):
             return True  # (the position check catches a prefix sequence edited behind the engine's back)
         for s in range(self.ctx.n_seq_max):
             mem.seq_rm(s)
@@ -206,7 +206,7 @@ class SharedPrefixEngine:
         return False
 
     def save_prefix(self, path: str | os.PathLike[str]) -> Path:
-        """Save the prefix sequence to a verified prefix file (see :mod:`polykv_py.llama.state`)."""
+        """Save the prefix sequence to a verified prefix file (:meth:`Context.save_prefix`)."""
         if self._prefix is None:
             raise SequenceError("no prefix to save: run or set_prefix first")
         return self.ctx.save_prefix(path, PREFIX_SEQ, self._prefix)

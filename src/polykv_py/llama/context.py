@@ -1,4 +1,5 @@
-"""A ``llama_context`` on a :class:`Model`: decode batches, read logits, own the KV memory."""
+"""A ``llama_context`` on a :class:`Model`: decode batches, read logits, own the KV memory,
+save and load sequence states."""
 
 from __future__ import annotations
 
@@ -10,17 +11,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._ffi import ffi, lib
-from ..errors import ContextFullError, LlamaError, SequenceError, TokenError
-from . import state as _state
-from ._check import check_decode, check_ptr
+from ..errors import ContextFullError, LlamaError, SequenceError, StateError, TokenError
+from ._check import check_decode, check_nonzero, check_ptr
 from ._owned import OwnedPointer
 from .backend import max_parallel_sequences
 from .batch import Batch
 from .memory import Memory
 from .params import ContextParams
+from .state import read_prefix_file, write_prefix_file
 
 if TYPE_CHECKING:
-
     from .model import Model
 
 log = logging.getLogger(__name__)
@@ -66,8 +66,7 @@ class Context(OwnedPointer):
         self.tokens_decoded = 0
         self.memory = Memory(self)
         self._outputs: frozenset[int] = frozenset()
-        self._pending_copies: set[int] = set()
-        model._register(self)
+        model.track_context(self)
 
     # -- ownership ------------------------------------------------------------------
     def _free(self, ptr: Any) -> None:
@@ -99,7 +98,7 @@ class Context(OwnedPointer):
         self._outputs = frozenset()
         rc = int(lib.llama_decode(self.ptr, batch.struct))
         check_decode(rc, n)
-        self._pending_copies.clear()
+        self.memory.on_decode()
         self._outputs = frozenset(batch.outputs)
         self.tokens_decoded += n
 
@@ -158,25 +157,96 @@ class Context(OwnedPointer):
         lib.llama_perf_context_reset(self.ptr)
 
     # -- sequence state -------------------------------------------------------------
+    # The raw llama_state_seq_* calls trust the caller (see .state for the verified prefix file).
+    def _check_settled(self, seq_id: int) -> None:
+        self.memory.check_seq(seq_id)
+        if seq_id in self.memory.pending_copies:
+            raise StateError(f"sequence {seq_id} has a pending cross-stream copy; decode once before saving it")
+
     def seq_state_bytes(self, seq_id: int) -> bytes:
-        return _state.seq_state_bytes(self, seq_id)
+        """The state of one sequence as bytes (``llama_state_seq_get_data``)."""
+        self._check_settled(seq_id)
+        size = int(lib.llama_state_seq_get_size(self.ptr, seq_id))
+        check_nonzero(size, f"llama_state_seq_get_size(seq {seq_id})", StateError)
+        buf = ffi.new("uint8_t[]", size)
+        n = int(lib.llama_state_seq_get_data(self.ptr, buf, size, seq_id))
+        check_nonzero(n, f"llama_state_seq_get_data(seq {seq_id})", StateError)
+        return ffi.buffer(buf, n)[:]
 
     def set_seq_state_bytes(self, data: bytes, seq_id: int) -> int:
-        return _state.set_seq_state_bytes(self, data, seq_id)
+        """Load bytes from :meth:`seq_state_bytes` into ``seq_id`` (its old cells are removed first)."""
+        self.memory.check_seq(seq_id)
+        if not data:
+            raise StateError("empty sequence state")
+        self.memory.seq_rm(seq_id)
+        n = int(lib.llama_state_seq_set_data(self.ptr, data, len(data), seq_id))
+        what = (
+            f"llama_state_seq_set_data(seq {seq_id}) (not a state, another KV stream layout or tensor shape, "
+            "or not enough free KV cells)"
+        )
+        return check_nonzero(n, what, StateError)
 
     def save_seq_file(self, path: str | os.PathLike[str], seq_id: int, tokens: Sequence[int]) -> int:
-        return _state.save_seq_file(self, path, seq_id, tokens)
+        """``llama_state_seq_save_file``: the sequence's state plus its token list; returns bytes written."""
+        self._check_settled(seq_id)
+        toks = self.model.vocab.check_tokens(tokens)
+        arr = ffi.new("llama_token[]", toks) if toks else ffi.NULL
+        n = int(lib.llama_state_seq_save_file(self.ptr, os.fsencode(path), seq_id, arr, len(toks)))
+        return check_nonzero(n, f"llama_state_seq_save_file({path})", StateError)
 
     def load_seq_file(self, path: str | os.PathLike[str], seq_id: int) -> list[int]:
-        return _state.load_seq_file(self, path, seq_id)
+        """``llama_state_seq_load_file`` into ``seq_id``; returns the token list stored with it."""
+        self.memory.check_seq(seq_id)
+        p = os.fsencode(path)
+        if not os.path.isfile(path):
+            raise StateError(f"no such state file: {os.fsdecode(p)}")
+        count = ffi.new("size_t *")
+        lib.llama_state_seq_load_file(self.ptr, p, seq_id, ffi.NULL, 0, count)  # token count only
+        cap = max(1, int(count[0]))
+        toks = ffi.new("llama_token[]", cap)
+        self.memory.seq_rm(seq_id)
+        n = int(lib.llama_state_seq_load_file(self.ptr, p, seq_id, toks, cap, count))
+        check_nonzero(n, f"llama_state_seq_load_file({os.fsdecode(p)})", StateError)
+        return list(ffi.unpack(toks, int(count[0])))
 
     def save_prefix(self, path: str | os.PathLike[str], seq_id: int, tokens: Sequence[int]) -> Path:
-        return _state.save_prefix(self, path, seq_id, tokens)
+        """Save ``seq_id``, which must hold exactly ``tokens`` at positions 0..n-1, as a verified prefix file."""
+        toks = self.model.vocab.check_tokens(tokens)
+        if not toks:
+            raise StateError("cannot save an empty prefix")
+        lo, hi = self.memory.seq_pos_range(seq_id)
+        if (lo, hi) != (0, len(toks) - 1):
+            raise StateError(
+                f"sequence {seq_id} holds positions [{lo}, {hi}], "
+                f"not the {len(toks)} tokens given ([0, {len(toks) - 1}])"
+            )
+        state = self.seq_state_bytes(seq_id)
+        return write_prefix_file(path, state, model=self.model.fingerprint(), tokens=toks, n_stream=self.n_stream)
 
     def load_prefix(
         self, path: str | os.PathLike[str], seq_id: int, expected_tokens: Sequence[int] | None = None
     ) -> list[int]:
-        return _state.load_prefix(self, path, seq_id, expected_tokens)
+        """Load a prefix saved by :meth:`save_prefix` into ``seq_id``; returns its tokens.
+
+        Refuses (``StateError``) a file from another model, another token list than
+        ``expected_tokens``, another stream layout, a damaged state, or one that does not
+        end up at positions 0..n-1 (e.g. not enough free cells).
+        """
+        self.memory.check_seq(seq_id)
+        tokens, state = read_prefix_file(
+            path,
+            model=self.model.fingerprint(),
+            n_stream=self.n_stream,
+            n_ctx_seq=self.n_ctx_seq,
+            check_tokens=self.model.vocab.check_tokens,
+            expected_tokens=expected_tokens,
+        )
+        self.set_seq_state_bytes(state, seq_id)
+        lo, hi = self.memory.seq_pos_range(seq_id)
+        if (lo, hi) != (0, len(tokens) - 1):
+            self.memory.seq_rm(seq_id)
+            raise StateError(f"{path}: loaded sequence holds positions [{lo}, {hi}], expected [0, {len(tokens) - 1}]")
+        return tokens
 
     def __repr__(self) -> str:
         if self.closed:

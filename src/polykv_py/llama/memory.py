@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._ffi import ffi, lib
 from ..errors import LlamaError, SequenceError
-from ._check import check_seq_rm
+from ._check import check_nonzero, check_ptr, check_seq_rm
 from ._kvstate import KVUsage, parse_kv_usage
 
 if TYPE_CHECKING:
@@ -36,17 +36,19 @@ class Memory:
 
     Ranges follow llama.h: ``[p0, p1)``, a negative ``p0`` means 0 and a negative
     ``p1`` means "to the end".
+
+    It also keeps the record of pending copies: without unified KV, a whole-sequence
+    ``seq_cp`` between streams is only carried out by libllama at the next decode, and
+    until then the destination's data is not there (:attr:`pending_copies`).
     """
 
     def __init__(self, ctx: Context) -> None:
         self._ctx = ctx
+        self._pending: set[int] = set()
 
     @property
     def _mem(self) -> Any:
-        mem = lib.llama_get_memory(self._ctx.ptr)
-        if mem == ffi.NULL:
-            raise LlamaError("this context has no memory module")
-        return mem
+        return check_ptr(lib.llama_get_memory(self._ctx.ptr), "llama_get_memory (the context's memory module)")
 
     # -- validation -----------------------------------------------------------------
     def check_seq(self, seq_id: int, *, allow_all: bool = False) -> int:
@@ -73,7 +75,7 @@ class Memory:
     def clear(self, data: bool = True) -> None:
         """Remove every cell of every sequence (``data`` also zeroes the buffers)."""
         lib.llama_memory_clear(self._mem, bool(data))
-        self._ctx._pending_copies.clear()
+        self._pending.clear()
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> None:
         """Remove ``seq_id``'s tokens with positions in ``[p0, p1)``; ``seq_id=-1`` means every sequence."""
@@ -101,7 +103,7 @@ class Memory:
                     "stream and libllama can only copy a whole sequence between streams (a partial range "
                     "would abort the process); use p0=-1, p1=-1, or a context with kv_unified=True"
                 )
-            self._ctx._pending_copies.add(dst)
+            self._pending.add(dst)
         lib.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
 
     def seq_keep(self, seq_id: int) -> None:
@@ -128,14 +130,28 @@ class Memory:
         self.check_seq(seq_id)
         return int(lib.llama_memory_seq_pos_max(self._mem, seq_id))
 
+    def seq_pos_range(self, seq_id: int) -> tuple[int, int]:
+        """``(seq_pos_min, seq_pos_max)`` of ``seq_id``; ``(-1, -1)`` if it is empty."""
+        return self.seq_pos_min(seq_id), self.seq_pos_max(seq_id)
+
     def seq_len(self, seq_id: int) -> int:
         """Number of positions ``seq_id`` holds (``pos_max - pos_min + 1``, 0 if empty)."""
-        lo, hi = self.seq_pos_min(seq_id), self.seq_pos_max(seq_id)
+        lo, hi = self.seq_pos_range(seq_id)
         return 0 if hi < 0 else hi - lo + 1
 
     @property
     def can_shift(self) -> bool:
         return bool(lib.llama_memory_can_shift(self._mem))
+
+    # -- pending cross-stream copies ------------------------------------------------
+    @property
+    def pending_copies(self) -> frozenset[int]:
+        """Sequences whose cross-stream copy libllama carries out at the next decode."""
+        return frozenset(self._pending)
+
+    def on_decode(self) -> None:
+        """Record a successful decode (:meth:`Context.decode` calls this): the copies are done."""
+        self._pending.clear()
 
     # -- measurement ----------------------------------------------------------------
     def usage(self) -> KVUsage:
@@ -145,13 +161,13 @@ class Memory:
         benchmarks, not hot loops.
         """
         ctx = self._ctx.ptr
-        if self._ctx._pending_copies:
+        if self._pending:
             raise LlamaError("a cross-stream seq_cp is pending until the next decode; decode before measuring")
-        size = lib.llama_state_get_size(ctx)
+        size = int(lib.llama_state_get_size(ctx))
         buf = ffi.new("uint8_t[]", max(1, size))
-        n = lib.llama_state_get_data(ctx, buf, size)
-        if n == 0 or n > size:
-            raise LlamaError("llama_state_get_data failed; cannot measure KV cells")
+        n = check_nonzero(
+            int(lib.llama_state_get_data(ctx, buf, size)), "llama_state_get_data (measuring KV cells)", at_most=size
+        )
         try:
             return parse_kv_usage(ffi.buffer(buf, n))
         except ValueError as exc:

@@ -1,10 +1,11 @@
-"""Sequence state save/load: raw libllama bytes and files, and a verified prefix file.
+"""The verified prefix file: its container format, written and checked without native code.
 
-The raw calls (``llama_state_seq_*``) trust the caller: a state saved from another
-model with the same tensor shapes loads silently, and the llama file format stores the
-tokens but nothing about the model. :func:`save_prefix` / :func:`load_prefix` wrap the
-raw bytes in a small container that records the model's fingerprint (GGUF sha256 and
-shape), the token list and a hash of the state, and refuse anything that does not match.
+The raw sequence-state calls (:meth:`Context.seq_state_bytes` and the other
+``llama_state_seq_*`` wrappers) trust the caller: a state saved from another model with
+the same tensor shapes loads silently, and the llama file format stores the tokens but
+nothing about the model. :meth:`Context.save_prefix` / :meth:`Context.load_prefix` wrap
+the raw bytes in this small container, which records the model's fingerprint (GGUF sha256
+and shape), the token list and a hash of the state, and refuse anything that does not match.
 
 Container layout: ``MAGIC`` (8 bytes), u32 header length, UTF-8 JSON header, state bytes.
 """
@@ -15,101 +16,31 @@ import hashlib
 import json
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .._ffi import ffi, lib
 from ..errors import ContextFullError, StateError, TokenError
-from ._check import check_nonzero
-
-if TYPE_CHECKING:
-    from .context import Context
 
 MAGIC = b"PKVPFX\x00\x01"
 FORMAT_VERSION = 1
 
 
-def _tokens_sha256(tokens: Sequence[int]) -> str:
+def tokens_sha256(tokens: Sequence[int]) -> str:
     return hashlib.sha256(struct.pack(f"<{len(tokens)}i", *tokens)).hexdigest()
 
 
-def _check_ready(ctx: Context, seq_id: int) -> None:
-    ctx.memory.check_seq(seq_id)
-    if seq_id in ctx._pending_copies:
-        raise StateError(f"sequence {seq_id} has a pending cross-stream copy; decode once before saving it")
-
-
-# -- raw libllama state ---------------------------------------------------------------
-def seq_state_bytes(ctx: Context, seq_id: int) -> bytes:
-    """The state of one sequence as bytes (``llama_state_seq_get_data``)."""
-    _check_ready(ctx, seq_id)
-    size = int(lib.llama_state_seq_get_size(ctx.ptr, seq_id))
-    check_nonzero(size, f"llama_state_seq_get_size(seq {seq_id})", StateError)
-    buf = ffi.new("uint8_t[]", size)
-    n = int(lib.llama_state_seq_get_data(ctx.ptr, buf, size, seq_id))
-    check_nonzero(n, f"llama_state_seq_get_data(seq {seq_id})", StateError)
-    return ffi.buffer(buf, n)[:]
-
-
-def set_seq_state_bytes(ctx: Context, data: bytes, seq_id: int) -> int:
-    """Load bytes from :func:`seq_state_bytes` into ``seq_id`` (its old cells are removed first)."""
-    ctx.memory.check_seq(seq_id)
-    if not data:
-        raise StateError("empty sequence state")
-    ctx.memory.seq_rm(seq_id)
-    n = int(lib.llama_state_seq_set_data(ctx.ptr, data, len(data), seq_id))
-    what = (
-        f"llama_state_seq_set_data(seq {seq_id}) (not a state, another KV stream layout or tensor shape, "
-        "or not enough free KV cells)"
-    )
-    return check_nonzero(n, what, StateError)
-
-
-def save_seq_file(ctx: Context, path: str | os.PathLike[str], seq_id: int, tokens: Sequence[int]) -> int:
-    """``llama_state_seq_save_file``: the sequence's state plus its token list; returns bytes written."""
-    _check_ready(ctx, seq_id)
-    toks = ctx.model.vocab.check_tokens(tokens)
-    arr = ffi.new("llama_token[]", toks) if toks else ffi.NULL
-    n = int(lib.llama_state_seq_save_file(ctx.ptr, os.fsencode(path), seq_id, arr, len(toks)))
-    return check_nonzero(n, f"llama_state_seq_save_file({path})", StateError)
-
-
-def load_seq_file(ctx: Context, path: str | os.PathLike[str], seq_id: int) -> list[int]:
-    """``llama_state_seq_load_file`` into ``seq_id``; returns the token list stored with it."""
-    ctx.memory.check_seq(seq_id)
-    p = os.fsencode(path)
-    if not os.path.isfile(path):
-        raise StateError(f"no such state file: {os.fsdecode(p)}")
-    count = ffi.new("size_t *")
-    lib.llama_state_seq_load_file(ctx.ptr, p, seq_id, ffi.NULL, 0, count)  # token count only
-    cap = max(1, int(count[0]))
-    toks = ffi.new("llama_token[]", cap)
-    ctx.memory.seq_rm(seq_id)
-    n = int(lib.llama_state_seq_load_file(ctx.ptr, p, seq_id, toks, cap, count))
-    check_nonzero(n, f"llama_state_seq_load_file({os.fsdecode(p)})", StateError)
-    return list(ffi.unpack(toks, int(count[0])))
-
-
-# -- verified prefix container --------------------------------------------------------
-def save_prefix(ctx: Context, path: str | os.PathLike[str], seq_id: int, tokens: Sequence[int]) -> Path:
-    """Save sequence ``seq_id`` (which must hold exactly ``tokens`` at positions 0..n-1) to ``path``."""
-    toks = ctx.model.vocab.check_tokens(tokens)
-    if not toks:
-        raise StateError("cannot save an empty prefix")
-    lo, hi = ctx.memory.seq_pos_min(seq_id), ctx.memory.seq_pos_max(seq_id)
-    if (lo, hi) != (0, len(toks) - 1):
-        raise StateError(
-            f"sequence {seq_id} holds positions [{lo}, {hi}], not the {len(toks)} tokens given ([0, {len(toks) - 1}])"
-        )
-    state = seq_state_bytes(ctx, seq_id)
+def write_prefix_file(
+    path: str | os.PathLike[str], state: bytes, *, model: Mapping[str, Any], tokens: list[int], n_stream: int
+) -> Path:
+    """Write ``state`` (the sequence's raw bytes) with its header; atomic (a ``.part`` file, renamed)."""
     header = {
         "format": FORMAT_VERSION,
-        "model": ctx.model.fingerprint(),
-        "n_tokens": len(toks),
-        "tokens_sha256": _tokens_sha256(toks),
-        "tokens": toks,
-        "n_stream": ctx.n_stream,
+        "model": dict(model),
+        "n_tokens": len(tokens),
+        "tokens_sha256": tokens_sha256(tokens),
+        "tokens": tokens,
+        "n_stream": n_stream,
         "state_bytes": len(state),
         "state_sha256": hashlib.sha256(state).hexdigest(),
     }
@@ -146,18 +77,24 @@ def _read_header(path: str | os.PathLike[str]) -> tuple[dict[str, Any], int]:
     return header, len(MAGIC) + 4 + n
 
 
-def load_prefix(
-    ctx: Context, path: str | os.PathLike[str], seq_id: int, expected_tokens: Sequence[int] | None = None
-) -> list[int]:
-    """Load a prefix saved by :func:`save_prefix` into ``seq_id``; returns its tokens.
+def read_prefix_file(
+    path: str | os.PathLike[str],
+    *,
+    model: Mapping[str, Any],
+    n_stream: int,
+    n_ctx_seq: int,
+    check_tokens: Callable[[list[int]], object],
+    expected_tokens: Sequence[int] | None = None,
+) -> tuple[list[int], bytes]:
+    """Read a prefix file for a context with ``n_stream`` KV streams on the model ``model``
+    (its fingerprint); returns ``(tokens, state)``.
 
-    Refuses (``StateError``) a file from another model, another token list than
-    ``expected_tokens``, another stream layout, or with a damaged state.
+    Refuses (``StateError``) a file from another model, with another token list than
+    ``expected_tokens`` or tokens ``check_tokens`` rejects, another stream layout, or a
+    damaged state; ``ContextFullError`` if the prefix is longer than ``n_ctx_seq``.
     """
-    ctx.memory.check_seq(seq_id)
     header, offset = _read_header(path)
-    mine = ctx.model.fingerprint()
-    theirs = header.get("model")
+    mine, theirs = dict(model), header.get("model")
     if not isinstance(theirs, dict):
         raise StateError(f"{path}: the header names no model")
     if theirs != mine:
@@ -167,35 +104,32 @@ def load_prefix(
     if (
         not isinstance(tokens, list)
         or len(tokens) != header.get("n_tokens")
-        or _tokens_sha256(tokens) != header.get("tokens_sha256")
+        or tokens_sha256(tokens) != header.get("tokens_sha256")
     ):
         raise StateError(f"{path}: token list damaged")
     try:
-        ctx.model.vocab.check_tokens(tokens)
+        check_tokens(tokens)
     except TokenError as exc:
         raise StateError(f"{path}: {exc}") from exc
     if expected_tokens is not None:
         exp = list(expected_tokens)
         if exp != tokens:
-            first = next((i for i, (a, b) in enumerate(zip(exp, tokens)) if a != b), min(len(exp), len(tokens)))
+            pairs = enumerate(zip(exp, tokens, strict=False))
+            first = next((i for i, (a, b) in pairs if a != b), min(len(exp), len(tokens)))
             raise StateError(
-                f"{path} holds another token list ({len(tokens)} tokens, expected {len(exp)}; first difference at {first})"
+                f"{path} holds another token list ({len(tokens)} tokens, expected {len(exp)}; "
+                f"first difference at {first})"
             )
-    if header.get("n_stream") != ctx.n_stream:
+    if header.get("n_stream") != n_stream:
         raise StateError(
-            f"{path} was saved from a context with {header.get('n_stream')} KV stream(s), this one has {ctx.n_stream} "
+            f"{path} was saved from a context with {header.get('n_stream')} KV stream(s), this one has {n_stream} "
             "(unified vs non-unified KV, or a different n_seq_max without unified KV)"
         )
-    if len(tokens) > ctx.n_ctx_seq:
-        raise ContextFullError(f"the prefix has {len(tokens)} tokens but a sequence holds at most {ctx.n_ctx_seq}")
+    if len(tokens) > n_ctx_seq:
+        raise ContextFullError(f"the prefix has {len(tokens)} tokens but a sequence holds at most {n_ctx_seq}")
     with open(path, "rb") as f:
         f.seek(offset)
         state = f.read()
     if len(state) != header.get("state_bytes") or hashlib.sha256(state).hexdigest() != header.get("state_sha256"):
         raise StateError(f"{path}: state data damaged (size or sha256 mismatch)")
-    set_seq_state_bytes(ctx, state, seq_id)
-    lo, hi = ctx.memory.seq_pos_min(seq_id), ctx.memory.seq_pos_max(seq_id)
-    if (lo, hi) != (0, len(tokens) - 1):
-        ctx.memory.seq_rm(seq_id)
-        raise StateError(f"{path}: loaded sequence holds positions [{lo}, {hi}], expected [0, {len(tokens) - 1}]")
-    return tokens
+    return tokens, state

@@ -1,8 +1,10 @@
 """Pythonic layer over libllama: models, contexts, batches, KV memory, samplers, state.
 
 Every object owns its C resource and frees it on ``close()`` / ``with`` exit; failures
-surface as exceptions from :mod:`polykv_py.errors`. Names are imported lazily, so the
-pure modules (``params``, ``_kvstate``, ``_check``) work without the native extension.
+surface as exceptions from :mod:`polykv_py.errors`. ``__all__`` is the one list of the
+names this package exports. They are imported on first use (``__getattr__``), so the pure
+modules (``params``, ``_kvstate``, ``_check``, ``state``) work without the native extension;
+the imports below are what type checkers read.
 """
 
 from __future__ import annotations
@@ -21,22 +23,6 @@ if TYPE_CHECKING:
     from .sampler import Sampler
     from .vocab import Vocab
 
-_EXPORTS = {
-    "Batch": "batch",
-    "Context": "context",
-    "ContextParams": "params",
-    "KVUsage": "_kvstate",
-    "Memory": "memory",
-    "Model": "model",
-    "Sampler": "sampler",
-    "SamplingParams": "params",
-    "Vocab": "vocab",
-    "ensure_backend": "backend",
-    "max_parallel_sequences": "backend",
-    "supports_gpu_offload": "backend",
-    "system_info": "backend",
-}
-
 __all__ = [
     "Batch",
     "Context",
@@ -53,9 +39,17 @@ __all__ = [
     "system_info",
 ]
 
+#: the submodules that define the exported names, searched in this order: the pure ones
+#: first, so that their names never load the native extension.
+_SUBMODULES = ("params", "_kvstate", "backend", "batch", "context", "memory", "model", "sampler", "vocab")
+
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{module}", __name__), name)
+    if name in __all__:
+        for sub in _SUBMODULES:
+            module = importlib.import_module(f".{sub}", __name__)
+            value = vars(module).get(name)
+            if getattr(value, "__module__", None) == module.__name__:
+                globals()[name] = value
+                return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -75,7 +75,7 @@ def test_cell_ext_layout_is_recognised() -> None:
 @pytest.mark.parametrize("cut", [1, 7, 40])
 def test_truncated_or_padded_blob_is_refused(cut: int) -> None:
     blob = _blob([_stream([(0, [0]), (1, [0, 1])])])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="cannot parse"):
         parse_kv_usage(blob[:-cut])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="cannot parse"):
         parse_kv_usage(blob + b"\x00" * cut)

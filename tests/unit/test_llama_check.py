@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from polykv_py.errors import ContextFullError, LlamaError, PolykvError, SequenceError, StateError
-from polykv_py.llama._check import check_decode, check_nonzero, check_seq_rm, check_true
+from polykv_py.llama._check import check_decode, check_nonzero, check_seq_rm, check_template, check_true
 
 
 def test_decode_codes() -> None:
@@ -36,3 +36,12 @@ def test_hierarchy() -> None:
     assert check_nonzero(3, "load") == 3
     with pytest.raises(LlamaError):
         check_true(False, "thing")
+
+
+def test_sizes_and_templates() -> None:
+    assert check_nonzero(8, "read", at_most=8) == 8
+    with pytest.raises(LlamaError, match="returned 9"):
+        check_nonzero(9, "read", at_most=8)
+    assert check_template(0) == 0
+    with pytest.raises(LlamaError, match="does not support this chat template"):
+        check_template(-1)

@@ -23,7 +23,7 @@ def model(model_path: Path) -> Iterator[Model]:
         yield m
 
 
-@pytest.fixture()
+@pytest.fixture
 def make_context(model: Model) -> Iterator[Callable[..., Context]]:
     """Factory for contexts (2 threads) that are all closed after the test."""
     made: list[Context] = []

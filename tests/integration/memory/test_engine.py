@@ -90,7 +90,9 @@ def test_unshared_baseline_same_tokens_more_work(
     assert res.mode == "unshared"
     assert [a.tokens for a in res.agents] == alone
     p = len(prefix_tokens)
-    assert res.tokens_processed == 4 * p + sum(len(s) + len(a.tokens) for s, a in zip(suffix_tokens, res.agents))
+    assert res.tokens_processed == 4 * p + sum(
+        len(s) + len(a.tokens) for s, a in zip(suffix_tokens, res.agents, strict=True)
+    )
     assert res.kv_cells is not None and res.kv_cells["final"] == res.tokens_processed
 
 
@@ -110,7 +112,7 @@ def test_prefix_is_reused_across_runs(
 
 def test_text_inputs_joint_tokenization(engine: SharedPrefixEngine, model: Model) -> None:
     res = engine.run(PREFIX_TEXT, SUFFIXES[:2], GenerationParams(max_tokens=4))
-    for a, suffix in zip(res.agents, SUFFIXES):
+    for a, suffix in zip(res.agents, SUFFIXES[:2], strict=True):
         assert a.prompt_tokens == model.tokenize(PREFIX_TEXT + suffix), "agent prompt = its full text, tokenized"
     assert len(res.prefix_tokens) <= len(model.tokenize(PREFIX_TEXT))
 
@@ -150,7 +152,9 @@ def test_non_unified_engine_copies_whole_sequences(
         assert [a.tokens for a in res.agents] == alone[:2]
         p = len(prefix_tokens)
         assert res.kv_cells is not None
-        assert res.kv_cells["final"] == 3 * p + sum(len(s) + len(a.tokens) for s, a in zip(suffix_tokens, res.agents))
+        assert res.kv_cells["final"] == 3 * p + sum(
+            len(s) + len(a.tokens) for s, a in zip(suffix_tokens[:2], res.agents, strict=True)
+        )
 
 
 def test_engine_bad_inputs(
@@ -164,11 +168,11 @@ def test_engine_bad_inputs(
         engine.run([], suffix_tokens[:1], GREEDY)
     with pytest.raises(TokenError):
         engine.run(prefix_tokens, [[10**9]], GREEDY)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="non-empty list"):
         engine.run(prefix_tokens, "not a list", GREEDY)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="max_tokens"):
         GenerationParams(max_tokens=0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="stop"):
         GenerationParams(stop="x")  # type: ignore[arg-type]
     with pytest.raises(ContextFullError):
         engine.run(prefix_tokens * 10, suffix_tokens[:1], GREEDY)

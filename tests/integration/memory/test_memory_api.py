@@ -35,6 +35,19 @@ def test_tokenize_roundtrip_and_specials(model: Model) -> None:
     assert len(im_end) == 1 and v.is_eog(im_end[0])
     assert model.detokenize(im_end, unparse_special=True) == "<|im_end|>"
     assert v.token_to_piece(toks[0]) == text.encode()[: len(v.token_to_piece(toks[0]))]
+    assert isinstance(v.bos, int) and isinstance(v.add_bos, bool) and v.nl == model.tokenize("\n", add_special=False)[0]
+
+
+def test_model_shape_and_exports(model: Model) -> None:
+    from polykv_py import llama
+
+    arch = model.meta("general.architecture")
+    assert model.meta(f"{arch}.block_count") == str(model.n_layer)
+    assert model.meta(f"{arch}.embedding_length") == str(model.n_embd)
+    assert model.n_params > 0 and model.size > 0 and model.n_ctx_train > 0
+    assert model.fingerprint()["n_layer"] == model.n_layer
+    for name in llama.__all__:
+        assert getattr(llama, name).__module__.startswith("polykv_py.llama."), name
 
 
 def test_chat_template(model: Model) -> None:
@@ -42,7 +55,7 @@ def test_chat_template(model: Model) -> None:
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], add_assistant=True
     )
     assert "<|im_start|>user\nHi<|im_end|>" in out and out.endswith("<|im_start|>assistant\n")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="needs 'role'"):
         model.vocab.apply_chat_template([{"content": "no role"}])
 
 
@@ -134,12 +147,14 @@ def test_non_unified_refuses_partial_copy_and_copies_whole(
     with pytest.raises(SequenceError):
         ctx.memory.seq_cp(0, 1, 5, -1)
     ctx.memory.seq_cp(0, 1)  # whole sequence: a real copy into seq 1's stream
-    assert ctx.memory.seq_pos_max(1) == p - 1
+    assert ctx.memory.seq_pos_range(1) == (0, p - 1)
+    assert ctx.memory.pending_copies == {1}
     with pytest.raises(LlamaError, match="pending"):
         ctx.memory.usage()  # the data copy happens at the next decode
     with pytest.raises(StateError, match="pending"):
         ctx.seq_state_bytes(1)
     _decode_suffixes(ctx, p, suffix_tokens[:1])
+    assert not ctx.memory.pending_copies, "a decode carries out the pending copies"
     usage = ctx.memory.usage()
     assert usage.cells == 2 * p + len(suffix_tokens[0])
     assert usage.cells_of(1) == p + len(suffix_tokens[0])
@@ -232,7 +247,7 @@ def test_bad_model_and_context_params(model: Model, tmp_path: Path) -> None:
     with pytest.raises(ModelError):
         Model(bad)
     for kw in ({"n_seq_max": 257}, {"n_ctx": 0}, {"n_threads": 0}, {"flash_attn": "maybe"}):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=next(iter(kw))):
             model.context(**kw)
 
 

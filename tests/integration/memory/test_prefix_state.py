@@ -69,7 +69,7 @@ def test_wrong_token_list_is_refused(saved, model: Model, prefix_tokens: list[in
     path, _ = saved
     with _engine(model) as eng:
         with pytest.raises(StateError, match="another token list"):
-            eng.load_prefix(path, expected_tokens=prefix_tokens[:-1] + [prefix_tokens[-1] + 1])
+            eng.load_prefix(path, expected_tokens=[*prefix_tokens[:-1], prefix_tokens[-1] + 1])
         with pytest.raises(StateError, match="another token list"):
             eng.load_prefix(path, expected_tokens=prefix_tokens[:-1])
         assert eng.ctx.memory.seq_pos_max(0) == -1 and eng.prefix_tokens is None

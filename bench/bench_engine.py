@@ -25,6 +25,7 @@ multi-threaded timings erratic when the cores are oversubscribed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -144,7 +145,7 @@ def run_one(model: Model, n: int, pre: list[int], sufs: list[list[int]], g: int,
     out["compute_ratio"] = round(sc["tokens_processed"] / sh["tokens_processed"], 3)
     out["wall_ratio"] = round(sc["wall_s"] / sh["wall_s"], 3)
     out["kv_ratio"] = round(sc["kv_cells_in_use"] / sh["kv_cells_in_use"], 3)
-    same = sum(a.tokens == b.tokens for a, b in zip(results["shared"].agents, results["scratch"].agents))
+    same = sum(a.tokens == b.tokens for a, b in zip(results["shared"].agents, results["scratch"].agents, strict=True))
     out["greedy_outputs_identical"] = f"{same}/{n}"
     return out
 
@@ -156,10 +157,8 @@ def machine() -> dict[str, Any]:
         "platform": platform.platform(),
         "python": platform.python_version(),
     }
-    try:
+    with contextlib.suppress(OSError):  # not every platform has a load average
         info["loadavg_start"] = list(os.getloadavg())
-    except OSError:
-        pass
     return info
 
 
@@ -186,7 +185,8 @@ def to_markdown(report: dict[str, Any]) -> str:
         sh, sc = r["shared"], r["scratch"]
         lines.append(
             f"| {r['n_agents']} | {sh['wall_s']:.2f} | {sc['wall_s']:.2f} | {r['wall_ratio']:.2f} "
-            f"| {sh['tokens_processed']} ({sh['expected_tokens']}) | {sc['tokens_processed']} | {r['compute_ratio']:.2f} "
+            f"| {sh['tokens_processed']} ({sh['expected_tokens']}) | {sc['tokens_processed']} "
+            f"| {r['compute_ratio']:.2f} "
             f"| {sh['kv_cells_in_use']} | {sc['kv_cells_in_use']} | {r['greedy_outputs_identical']} |"
         )
     return "\n".join(lines) + "\n"
@@ -239,10 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         for n in grid:
             report["runs"].append(run_one(model, n, pre, sufs, g, base))
     report["total_s"] = round(time.perf_counter() - t0, 1)
-    try:
+    with contextlib.suppress(OSError):
         report["machine"]["loadavg_end"] = list(os.getloadavg())
-    except OSError:
-        pass
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "engine.json").write_text(json.dumps(report, indent=2) + "\n")
     md = to_markdown(report)

@@ -22,11 +22,16 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from polykv_py.harness.bench_report import cpu_model
+from polykv_py.harness.compare import MAX_DRIFT, TIE_MARGIN
 from polykv_py.harness.loadtest import LoadConfig, LoadReport, run_load
 
 ROOT = Path(__file__).resolve().parents[1]
-SUITES = ["tests/integration/test_faults.py", "tests/integration/test_hostile_input.py",
-          "tests/integration/test_pool_pinning.py", "tests/integration/test_security.py"]
+SUITES = [
+    "tests/integration/test_faults.py",
+    "tests/integration/test_hostile_input.py",
+    "tests/integration/test_pool_pinning.py",
+    "tests/integration/test_security.py",
+]
 
 
 def run_suites(paths: list[str]) -> dict:
@@ -35,23 +40,26 @@ def run_suites(paths: list[str]) -> dict:
         xml, inputs = Path(tmp) / "junit.xml", Path(tmp) / "outcomes.json"
         env = {**os.environ, "POLYKV_RELIABILITY_OUT": str(inputs)}
         t = time.monotonic()
-        rc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}",
-                             *paths], cwd=ROOT, env=env).returncode
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", *paths]
+        rc = subprocess.run(cmd, cwd=ROOT, env=env, check=False).returncode  # failures are reported, not raised
         suites: dict = {"rc": rc, "wall_s": round(time.monotonic() - t, 1), "tests": []}
         for case in ET.parse(xml).getroot().iter("testcase"):
             failed = case.find("failure") is not None or case.find("error") is not None
             skipped = case.find("skipped") is not None
-            suites["tests"].append({"name": f"{case.get('classname', '').split('.')[-1]}::{case.get('name')}",
-                                    "time_s": round(float(case.get("time", 0)), 2),
-                                    "result": "failed" if failed else "skipped" if skipped else "passed"})
+            suites["tests"].append(
+                {
+                    "name": f"{case.get('classname', '').split('.')[-1]}::{case.get('name')}",
+                    "time_s": round(float(case.get("time", 0)), 2),
+                    "result": "failed" if failed else "skipped" if skipped else "passed",
+                }
+            )
         outcomes = json.loads(inputs.read_text()) if inputs.exists() else {}
     # hostile_<property>_examples / _outcomes (test_hostile_input.py), fault_* (test_faults.py)
     tried: dict[str, dict] = {}
     for key, value in outcomes.items():
         if key.startswith("hostile_") and key.endswith("_outcomes"):
-            prop = key[len("hostile_"):-len("_outcomes")]
-            tried[prop] = {"examples": outcomes.get(f"hostile_{prop}_examples", sum(value.values())),
-                           "outcomes": value}
+            prop = key[len("hostile_") : -len("_outcomes")]
+            tried[prop] = {"examples": outcomes.get(f"hostile_{prop}_examples", sum(value.values())), "outcomes": value}
     suites["inputs_tried"] = tried
     suites["faults"] = {k: v for k, v in outcomes.items() if k.startswith("fault_")}
     return suites
@@ -60,35 +68,57 @@ def run_suites(paths: list[str]) -> dict:
 def markdown(doc: dict) -> str:
     load, cfg = doc["load"], doc["load"]["config"]
     lines = [
-        "# polykv reliability report", "",
-        f"Machine: {doc['machine']}. Model: default (SmolLM2-135M-Instruct Q4_1). Date: {doc['date']}.", "",
+        "# polykv reliability report",
+        "",
+        f"Machine: {doc['machine']}. Model: default (SmolLM2-135M-Instruct Q4_1). Date: {doc['date']}.",
+        "",
         f"## Load: {cfg['n_agents']} agents in {cfg['rounds']} rounds, {cfg['n_slots']} slots, "
-        f"{load['pool_cells']}-token reserved pool", "",
+        f"{load['pool_cells']}-token reserved pool",
+        "",
         f"{cfg['suffix_tokens']}-token agent suffixes, {cfg['n_predict']} greedy tokens each, at most "
         f"{cfg['n_slots']} requests in flight. Serial reference (each agent alone): {load['reference_s']} s. "
-        f"Peak server RSS {load['server_rss_mb']} MB. Verdict: **{'PASS' if load['ok'] else 'FAIL'}**.", "",
+        f"Peak server RSS {load['server_rss_mb']} MB. Verdict: **{'PASS' if load['ok'] else 'FAIL'}**.",
+        "",
         "| round | wall s | errors | statuses | identical | near-tie | different | max log-prob drift "
         "| KV cells after erase | pool cells | leak |",
         "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in load["rounds"]:
         st = ", ".join(f"{k} {v}" for k, v in sorted(r["statuses"].items()))
-        lines.append(f"| {r['round']} | {r['wall_s']} | {len(r['errors'])} | {st} | {r['identical']} | "
-                     f"{r['near_tie']} | {len(r['different'])} | {r['max_drift']} | {r['kv_cells_after_erase']} | "
-                     f"{r['kv_cells_pool']} | {r['leak']} |")
-    lines += ["", "near-tie: the answer left the serial reference's path at a token whose two best candidates were "
-              "within 0.5 log-prob in both runs, after a prefix that agreed within 1.0 (src/polykv_py/harness/compare.py: "
-              "concurrent requests sit in other KV cells and CPU attention rounds by cell order).", ""]
+        lines.append(
+            f"| {r['round']} | {r['wall_s']} | {len(r['errors'])} | {st} | {r['identical']} | "
+            f"{r['near_tie']} | {len(r['different'])} | {r['max_drift']} | {r['kv_cells_after_erase']} | "
+            f"{r['kv_cells_pool']} | {r['leak']} |"
+        )
+    lines += [
+        "",
+        "near-tie: the answer left the serial reference's path at a token whose two best candidates were "
+        f"within {TIE_MARGIN} log-prob in both runs, after a prefix that agreed within {MAX_DRIFT} "
+        "(src/polykv_py/harness/compare.py: concurrent requests sit in other KV cells and CPU attention rounds "
+        "by cell order).",
+        "",
+    ]
     suites = doc.get("suites")
     if suites:
         n = {k: sum(t["result"] == k for t in suites["tests"]) for k in ("passed", "failed", "skipped")}
-        lines += [f"## Faults, hostile input, pool pinning ({suites['wall_s']} s)", "",
-                  f"{n['passed']} passed, {n['failed']} failed, {n['skipped']} skipped.", "",
-                  "| test | result | s |", "|---|---|---:|"]
+        lines += [
+            f"## Faults, hostile input, pool pinning ({suites['wall_s']} s)",
+            "",
+            f"{n['passed']} passed, {n['failed']} failed, {n['skipped']} skipped.",
+            "",
+            "| test | result | s |",
+            "|---|---|---:|",
+        ]
         lines += [f"| {t['name']} | {t['result']} | {t['time_s']} |" for t in suites["tests"]]
         if suites["inputs_tried"]:
-            lines += ["", "Hostile inputs tried (hypothesis examples; no 5xx, no crash, no share over "
-                      "non-matching tokens in any):", "", "| property | examples | outcomes |", "|---|---:|---|"]
+            lines += [
+                "",
+                "Hostile inputs tried (hypothesis examples; no 5xx, no crash, no share over "
+                "non-matching tokens in any):",
+                "",
+                "| property | examples | outcomes |",
+                "|---|---:|---|",
+            ]
             for prop, d in sorted(suites["inputs_tried"].items()):
                 oc = ", ".join(f"{k} {v}" for k, v in sorted(d["outcomes"].items()))
                 lines.append(f"| {prop} | {d['examples']} | {oc} |")
@@ -111,11 +141,20 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
-    cfg = LoadConfig(n_slots=args.slots, pool_tokens=args.pool_tokens, n_agents=args.agents, rounds=args.rounds,
-                     n_predict=args.n_predict, threads=args.threads)
+    cfg = LoadConfig(
+        n_slots=args.slots,
+        pool_tokens=args.pool_tokens,
+        n_agents=args.agents,
+        rounds=args.rounds,
+        n_predict=args.n_predict,
+        threads=args.threads,
+    )
     report: LoadReport = run_load(cfg, progress=True)
-    doc = {"date": time.strftime("%Y-%m-%d"), "machine": f"{cpu_model()}, {os.cpu_count()} cores, "
-           f"{platform.system()} {platform.machine()}", "load": report.to_json()}
+    doc = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{cpu_model()}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}",
+        "load": report.to_json(),
+    }
     if not args.skip_suites:
         doc["suites"] = run_suites(SUITES)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 import httpx
 import psutil
@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     from .client import AsyncClient, Client
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 #: Default number of CPU threads given to a server (``-t``).
 DEFAULT_THREADS = 2
@@ -193,12 +195,16 @@ class LlamaServer:
         self._client: Client | None = None
 
     # ----------------------------------------------------------------- properties
+    def _started(self, value: _T | None) -> _T:
+        """``value``, which exists once the server has been started."""
+        if value is None:
+            raise ServerError(f"{self.name} server has not been started")
+        return value
+
     @property
     def port(self) -> int:
         """The TCP port (chosen at start)."""
-        if self._port is None:
-            raise ServerError(f"{self.name} server has not been started")
-        return self._port
+        return self._started(self._port)
 
     @property
     def url(self) -> str:
@@ -208,16 +214,12 @@ class LlamaServer:
     @property
     def log_path(self) -> Path:
         """The server's log file (stdout and stderr)."""
-        if self._log_path is None:
-            raise ServerError(f"{self.name} server has not been started")
-        return self._log_path
+        return self._started(self._log_path)
 
     @property
     def pid(self) -> int:
         """Process id of the server (also its process group id)."""
-        if self._proc is None:
-            raise ServerError(f"{self.name} server has not been started")
-        return self._proc.pid
+        return self._started(self._proc).pid
 
     @property
     def returncode(self) -> int | None:

@@ -14,8 +14,8 @@
   The server stays up and the pool still shares (a --pool-slots pool is never purged for room; an
   unreserved idle pool is the first slot purged, and one re-prime brings it back).
 
-Kept cheap: 1 thread (2 stall under competing load), short prompts, few generated tokens (the long generations are cut by the
-fault). Set POLYKV_RELIABILITY_OUT=path.json to get the outcomes as JSON.
+Kept cheap: 1 thread (2 stall under competing load), short prompts, few generated tokens (the long generations
+are cut by the fault). Set POLYKV_RELIABILITY_OUT=path.json to get the outcomes as JSON.
 """
 
 from __future__ import annotations
@@ -40,12 +40,12 @@ from polykv_py.results import FanoutResult
 
 pytestmark = pytest.mark.integration
 
-BASE = BaseContext.from_text("Team notes: the build runs nightly, the release ships on Fridays, and reviews are due "
-                             "within two days.\n")
+BASE = BaseContext.from_text(
+    "Team notes: the build runs nightly, the release ships on Fridays, and reviews are due within two days.\n"
+)
 LONG = {"n_predict": 400, "ignore_eos": True, "temperature": 0.0}  # still generating when the fault comes
 SHORT = {"n_predict": 4, "temperature": 0.0}
-QUESTIONS = ["Q: when does the release ship? A:", "Q: how often does the build run? A:",
-             "Q: when are reviews due? A:"]
+QUESTIONS = ["Q: when does the release ship? A:", "Q: how often does the build run? A:", "Q: when are reviews due? A:"]
 
 #: outcomes for the reliability report ($POLYKV_RELIABILITY_OUT)
 OUTCOMES: dict[str, Any] = {}
@@ -104,6 +104,7 @@ def test_sigkill_mid_fanout_then_restart_and_reprime(patched_server_bin: Path, m
     srv.start()
     first_pid, port = srv.pid, srv.port
     try:
+
         async def scenario() -> tuple[ServerUnavailableError, FanoutResult, float]:
             async with srv.async_client() as client:
                 ctx = SharedContext(client, BASE)
@@ -131,15 +132,17 @@ def test_sigkill_mid_fanout_then_restart_and_reprime(patched_server_bin: Path, m
         assert [a.status for a in again.agents] == ["hit"] * len(QUESTIONS), again.statuses
         assert all(a.ok and a.n_generated == SHORT["n_predict"] for a in again.agents)
         second_pid = srv.pid
-        OUTCOMES.update({
-            "fault_sigkill_error_type": type(err).__name__,
-            "fault_sigkill_error_first_line": msg.splitlines()[0],
-            "fault_sigkill_exit_status": err.exit_status,
-            "fault_sigkill_restart_s": round(restart_s, 2),
-            "fault_sigkill_same_port": srv.port == port,
-            "fault_sigkill_reprime_reason": again.primes[0].reason,
-            "fault_sigkill_statuses_after_restart": again.statuses,
-        })
+        OUTCOMES.update(
+            {
+                "fault_sigkill_error_type": type(err).__name__,
+                "fault_sigkill_error_first_line": msg.splitlines()[0],
+                "fault_sigkill_exit_status": err.exit_status,
+                "fault_sigkill_restart_s": round(restart_s, 2),
+                "fault_sigkill_same_port": srv.port == port,
+                "fault_sigkill_reprime_reason": again.primes[0].reason,
+                "fault_sigkill_statuses_after_restart": again.statuses,
+            }
+        )
     finally:
         srv.stop()
     assert gone(second_pid)
@@ -151,11 +154,18 @@ def test_sigkill_mid_fanout_then_restart_and_reprime(patched_server_bin: Path, m
 
 
 def test_sigterm_mid_fanout_exits_cleanly(patched_server_bin: Path, model_path: Path) -> None:
-    srv = pool_server(n_agents_parallel=3, ctx=1024, threads=1, track_kv=False, name="fault-term",
-                      extra_args=["--sse-ping-interval", "1"])
+    srv = pool_server(
+        n_agents_parallel=3,
+        ctx=1024,
+        threads=1,
+        track_kv=False,
+        name="fault-term",
+        extra_args=["--sse-ping-interval", "1"],
+    )
     srv.start()
     pid = srv.pid
     try:
+
         async def scenario() -> tuple[ServerUnavailableError, int | None, float]:
             async with srv.async_client() as client:
                 run = asyncio.ensure_future(SharedContext(client, BASE).run(agents(LONG)))
@@ -175,8 +185,14 @@ def test_sigterm_mid_fanout_exits_cleanly(patched_server_bin: Path, model_path: 
     assert gone(pid) and our_llama_servers() == []
     assert err.exit_status == 0 and "server process exited" in str(err)
     assert "cleaning up before exit" in err.log_tail
-    OUTCOMES.update({"fault_sigterm_exit_status": status, "fault_sigterm_exit_s": round(took, 2),
-                     "fault_sigterm_sse_ping_interval_s": 1, "fault_sigterm_client_error": str(err).splitlines()[0]})
+    OUTCOMES.update(
+        {
+            "fault_sigterm_exit_status": status,
+            "fault_sigterm_exit_s": round(took, 2),
+            "fault_sigterm_sse_ping_interval_s": 1,
+            "fault_sigterm_client_error": str(err).splitlines()[0],
+        }
+    )
 
 
 # ----------------------------------------------------------------------------- over capacity
@@ -194,6 +210,7 @@ def test_more_agents_than_the_context_holds(patched_server_bin: Path, model_path
     huge = Agent(f"Notes: {OVERSIZED}\nA:", name="oversized", params=params)
     probe = [Agent("Q: when is the release? A:", name="probe", params=params)]
     with srv:
+
         async def scenario() -> tuple[FanoutResult, list[int], FanoutResult, FanoutResult | None]:
             async with srv.async_client() as client:
                 ctx = SharedContext(client, BASE)
@@ -234,18 +251,20 @@ def test_more_agents_than_the_context_holds(patched_server_bin: Path, model_path
             assert after.agents[0].status == "not_resident" and after.primes[0].reason.startswith("re-prime")
             assert again is not None and again.agents[0].status == "hit"
         assert not (pinned and purged), "a --pool-slots pool was purged"
-    OUTCOMES.update({
-        "fault_overcap_ctx": CTX,
-        "fault_overcap_agents": len(res.agents),
-        "fault_overcap_pool_tokens": n_pool,
-        "fault_overcap_prompt_tokens": n_prompt[:3],
-        "fault_overcap_errors": sorted({a.error.split(": ", 1)[1] for a in res.agents if a.error}),
-        "fault_overcap_statuses": res.statuses,
-        "fault_overcap_oversized_prompt_tokens": n_prompt[3],
-        "fault_overcap_oversized_error": big.error.split(": ", 1)[1],
-        "fault_overcap_failed_crowd": len(failed),
-        "fault_overcap_pool_slots_flag": pinned,
-        "fault_overcap_pool_purged": purged,
-        "fault_overcap_probe_status_after": after.agents[0].status,
-        "fault_overcap_server_alive": True,
-    })
+    OUTCOMES.update(
+        {
+            "fault_overcap_ctx": CTX,
+            "fault_overcap_agents": len(res.agents),
+            "fault_overcap_pool_tokens": n_pool,
+            "fault_overcap_prompt_tokens": n_prompt[:3],
+            "fault_overcap_errors": sorted({a.error.split(": ", 1)[1] for a in res.agents if a.error}),
+            "fault_overcap_statuses": res.statuses,
+            "fault_overcap_oversized_prompt_tokens": n_prompt[3],
+            "fault_overcap_oversized_error": big.error.split(": ", 1)[1],
+            "fault_overcap_failed_crowd": len(failed),
+            "fault_overcap_pool_slots_flag": pinned,
+            "fault_overcap_pool_purged": purged,
+            "fault_overcap_probe_status_after": after.agents[0].status,
+            "fault_overcap_server_alive": True,
+        }
+    )

@@ -13,8 +13,17 @@ pytestmark = pytest.mark.integration
 
 
 def test_gate_passes(patched_server_bin: Path, upstream_server_bin: Path, model_path: Path, tmp_path: Path) -> None:
-    cfg = GateConfig(model=model_path, patched_bin=patched_server_bin, upstream_bin=upstream_server_bin,
-                     n_predict=8, base_tokens=400, n_sharers=3, ctx=4096, log_dir=tmp_path, fresh_info=False)
+    cfg = GateConfig(
+        model=model_path,
+        patched_bin=patched_server_bin,
+        upstream_bin=upstream_server_bin,
+        n_predict=8,
+        base_tokens=400,
+        n_sharers=3,
+        ctx=4096,
+        log_dir=tmp_path,
+        fresh_info=False,
+    )
     report = run_gate(cfg)
     summaries = {name: (c["ok"], c["summary"]) for name, c in report["checks"].items()}
     assert report["ok"], json.dumps(summaries, indent=2)
@@ -29,9 +38,29 @@ def test_share_check_on_reference_server_fails_clearly(
     upstream_server_bin: Path, model_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "report.json"
-    argv = ["--checks", "share_hit", "--share-server", "upstream", "--upstream-bin", str(upstream_server_bin),
-            "--model", str(model_path), "--base-tokens", "200", "--sharers", "1", "--n-predict", "4",
-            "--ctx", "2048", "--skip-fresh-info", "--log-dir", str(tmp_path), "--report", str(out)]
+    argv = [
+        "--checks",
+        "share_hit",
+        "--share-server",
+        "upstream",
+        "--upstream-bin",
+        str(upstream_server_bin),
+        "--model",
+        str(model_path),
+        "--base-tokens",
+        "200",
+        "--sharers",
+        "1",
+        "--n-predict",
+        "4",
+        "--ctx",
+        "2048",
+        "--skip-fresh-info",
+        "--log-dir",
+        str(tmp_path),
+        "--report",
+        str(out),
+    ]
     assert main(argv) == 1
     report = json.loads(out.read_text())
     check = report["checks"]["share_hit"]

@@ -1,8 +1,9 @@
 """Load: agents in rounds over a reserved pool (the full 64-agent, 10-round run is bench/bench_reliability.py).
 
 CI-sized: 4 agent slots, a 512-token pool, 12 agents, 2 rounds. Each round must have no
-error, no prefix recomputed (a hit, or the slot's own copy of the shared cells), every answer equal to its serial reference (identical, or a
-near-tie flip from cell-order rounding), and no KV cell left behind.
+error, no prefix recomputed (a hit, or the slot's own copy of the shared cells), every answer
+equal to its serial reference (identical, or a near-tie flip from cell-order rounding), and no
+KV cell left behind.
 """
 
 from __future__ import annotations

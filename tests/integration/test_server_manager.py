@@ -187,12 +187,18 @@ def test_finalizer_kills_an_unreferenced_server(patched_server_bin: Path, model_
 
 def test_server_dies_with_a_killed_parent(patched_server_bin: Path, model_path: Path, tmp_path: Path) -> None:
     """Even SIGKILL of the Python process that started it (no finalizer runs) takes the server down."""
-    code = ("import sys, time\nfrom polykv_py.server import LlamaServer\n"
-            "s = LlamaServer(sys.argv[1], sys.argv[2], ['-c', '512'], log_dir=sys.argv[3]).start()\n"
-            "print(s.pid, flush=True)\ntime.sleep(600)\n")
+    code = (
+        "import sys, time\nfrom polykv_py.server import LlamaServer\n"
+        "s = LlamaServer(sys.argv[1], sys.argv[2], ['-c', '512'], log_dir=sys.argv[3]).start()\n"
+        "print(s.pid, flush=True)\ntime.sleep(600)\n"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    parent = subprocess.Popen([sys.executable, "-c", code, str(patched_server_bin), str(model_path), str(tmp_path)],
-                              stdout=subprocess.PIPE, text=True, env=env)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", code, str(patched_server_bin), str(model_path), str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         line = parent.stdout.readline() if parent.stdout else ""
         assert line.strip().isdigit(), f"child did not start a server: {line!r}"

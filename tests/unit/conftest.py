@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 
-@pytest.fixture()
+@pytest.fixture
 def fake_model(tmp_path: Path) -> Path:
     """A file that passes for a GGUF by its magic bytes (the launcher never loads it)."""
     path = tmp_path / "fake.gguf"

@@ -93,8 +93,12 @@ def test_parse_agents_text_json_jsonl() -> None:
 def test_finalize_agents_sets_names_length_and_sampling_under_own_params() -> None:
     chat = BaseContext.chat(document="D")
     text = BaseContext.from_text("D")
-    out = finalize_agents([Agent("a"), Agent("b", name="bee", params={"temperature": 0.9, "max_tokens": 5})],
-                          chat, max_tokens=64, sampling={"temperature": 0.0})
+    out = finalize_agents(
+        [Agent("a"), Agent("b", name="bee", params={"temperature": 0.9, "max_tokens": 5})],
+        chat,
+        max_tokens=64,
+        sampling={"temperature": 0.0},
+    )
     assert out[0].name == "agent-1" and out[0].params == {"temperature": 0.0, "max_tokens": 64}
     assert out[1].name == "bee" and out[1].params == {"temperature": 0.9, "max_tokens": 5}
     out = finalize_agents([Agent("a")], text, max_tokens=8, sampling={})
@@ -120,15 +124,37 @@ def test_reprime_statuses() -> None:
 
 # ---------------------------------------------------------------- result arithmetic
 def _agent(i: int, status: str, n_prompt: int, p: int, processed: int, gen: int) -> AgentResult:
-    return AgentResult(index=i, name=f"a{i}", mode="completion", text="", status=status, requested=p, shared=p,
-                       n_prompt=n_prompt, processed=processed, cached=n_prompt - processed, n_generated=gen,
-                       ttft_s=0.1, latency_s=1.0, started_s=0.0, finished_s=1.0, finish_reason="limit", id_slot=1)
+    return AgentResult(
+        index=i,
+        name=f"a{i}",
+        mode="completion",
+        text="",
+        status=status,
+        requested=p,
+        shared=p,
+        n_prompt=n_prompt,
+        processed=processed,
+        cached=n_prompt - processed,
+        n_generated=gen,
+        ttft_s=0.1,
+        latency_s=1.0,
+        started_s=0.0,
+        finished_s=1.0,
+        finish_reason="limit",
+        id_slot=1,
+    )
 
 
 def test_fanout_result_numbers() -> None:
     agents = [_agent(0, "hit", 110, 100, 10, 4), _agent(1, "own_cache", 112, 100, 12, 4)]
-    res = FanoutResult(agents=agents, primes=[PrimeResult(1, 101, 101, 0.5, "initial")], pool_slot=0,
-                       pool_tokens=101, wall_s=2.0, shared=True)
+    res = FanoutResult(
+        agents=agents,
+        primes=[PrimeResult(1, 101, 101, 0.5, "initial")],
+        pool_slot=0,
+        pool_tokens=101,
+        wall_s=2.0,
+        shared=True,
+    )
     assert res.prefix_tokens == 100
     assert res.tokens_processed == 101 + 10 + 12
     assert res.tokens_without_sharing == 222

@@ -96,9 +96,10 @@ class FakeServer:
                 {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}], "timings": timings},
             ]
         else:
-            events = [{"content": "ok", "tokens": [1], "stop": False},
-                      {"content": "", "tokens": [], "stop": True, "stop_type": "limit", "id_slot": 1,
-                       "timings": timings}]
+            events = [
+                {"content": "ok", "tokens": [1], "stop": False},
+                {"content": "", "tokens": [], "stop": True, "stop_type": "limit", "id_slot": 1, "timings": timings},
+            ]
         if sp is not None:
             events[-1]["shared_prefix"] = sp
         return httpx.Response(200, content=sse(events), headers={"content-type": "text/event-stream"})

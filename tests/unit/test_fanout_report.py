@@ -13,8 +13,13 @@ LINE = "0.27.638.272 D find_slot: stream[{s}], n = {n:5d}, used = {u:5d}, head =
 
 
 def test_parse_used_tracks_streams_and_peak() -> None:
-    lines = [LINE.format(s=0, n=10, u=10).encode(), b"noise\n", LINE.format(s=1, n=5, u=5).encode(),
-             LINE.format(s=0, n=12, u=3).encode(), b"srv  purging slot 2 with 100 tokens\n"]
+    lines = [
+        LINE.format(s=0, n=10, u=10).encode(),
+        b"noise\n",
+        LINE.format(s=1, n=5, u=5).encode(),
+        LINE.format(s=0, n=12, u=3).encode(),
+        b"srv  purging slot 2 with 100 tokens\n",
+    ]
     reading, state = parse_used(lines)
     assert reading.peak == 15 and reading.last == 8 and reading.samples == 3 and reading.evictions == 1
     assert state == {0: 3, 1: 5}
@@ -60,27 +65,57 @@ def test_matched_budget_fits_whole_prompts_side_by_side() -> None:
 
 
 def _round(wall: float, tokens: int, kv: int) -> dict:
-    return {"wall_s": wall, "prime_s": 0.0, "ttft_mean_s": 1.0, "prompt_tokens_processed": tokens,
-            "prefix_tokens": 2048, "kv_cells_peak": kv, "rss_peak_mib": 200.0, "statuses": {"hit": 8},
-            "n_errors": 0}
+    return {
+        "wall_s": wall,
+        "prime_s": 0.0,
+        "ttft_mean_s": 1.0,
+        "prompt_tokens_processed": tokens,
+        "prefix_tokens": 2048,
+        "kv_cells_peak": kv,
+        "rss_peak_mib": 200.0,
+        "statuses": {"hit": 8},
+        "n_errors": 0,
+    }
 
 
 def test_bench_markdown_headline(tmp_path: Path) -> None:
     doc = {
-        "config": {"ns": [8], "ps": [2048], "suffix": 64, "gen": 32, "rounds": 2,
-                   "systems": ["reference", "reference_best", "reference_matched", "patched"], "quick": True},
+        "config": {
+            "ns": [8],
+            "ps": [2048],
+            "suffix": 64,
+            "gen": 32,
+            "rounds": 2,
+            "systems": ["reference", "reference_best", "reference_matched", "patched"],
+            "quick": True,
+        },
         "machine": {"cpu": "test cpu", "logical_cpus": 2, "threads_per_server": 2, "load_avg_start": [1, 1, 1]},
         "model": "/x/SmolLM2.gguf",
         "cells": [
             {"system": "reference", "n": 8, "p": 2048, "rounds": [_round(60.0, 16896, 17000), _round(30.0, 8, 17000)]},
             {"system": "reference_best", "n": 8, "p": 2048, "rounds": [_round(55.0, 15000, 17000), _round(3.0, 8, 1)]},
-            {"system": "reference_matched", "n": 8, "p": 2048, "ctx": 3072, "slots": 1,
-             "rounds": [_round(25.0, 2560, 2900), _round(7.0, 600, 2900)]},
+            {
+                "system": "reference_matched",
+                "n": 8,
+                "p": 2048,
+                "ctx": 3072,
+                "slots": 1,
+                "rounds": [_round(25.0, 2560, 2900), _round(7.0, 600, 2900)],
+            },
             {"system": "patched", "n": 8, "p": 2048, "rounds": [_round(10.0, 2560, 2820), _round(1.0, 8, 2820)]},
         ],
-        "capacity": [{"system": "patched", "ctx": 16384, "p": 4096, "predicted": 128, "candidates": [100],
-                      "largest_fitting": 100, "smallest_failing": None,
-                      "steps": [{"n": 100, "fits": True, "kv_cells_peak": 13700, "kv_evictions": 0}]}],
+        "capacity": [
+            {
+                "system": "patched",
+                "ctx": 16384,
+                "p": 4096,
+                "predicted": 128,
+                "candidates": [100],
+                "largest_fitting": 100,
+                "smallest_failing": None,
+                "steps": [{"n": 100, "fits": True, "kv_cells_peak": 13700, "kv_evictions": 0}],
+            }
+        ],
         "notes": ["engine skipped"],
     }
     md = bench_report.markdown(doc)

@@ -42,7 +42,7 @@ def test_start_log_line_redacts_the_key(tmp_path: Path, fake_model: Path, caplog
     assert "--api-key ***" in caplog.text and KEY not in caplog.text
 
 
-@pytest.fixture()
+@pytest.fixture
 def exec_calls(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[list[str]]:
     """`polykv serve` up to its execv: the command it would run."""
     import polykv_py.models
@@ -60,8 +60,9 @@ def value(cmd: list[str], flag: str) -> str:
     return cmd[cmd.index(flag) + 1]
 
 
-def test_serve_binds_loopback_unless_told_otherwise(exec_calls: list[list[str]],
-                                                    caplog: pytest.LogCaptureFixture) -> None:
+def test_serve_binds_loopback_unless_told_otherwise(
+    exec_calls: list[list[str]], caplog: pytest.LogCaptureFixture
+) -> None:
     assert cli.main(["serve"]) == 0
     assert value(exec_calls[-1], "--host") == "127.0.0.1" and "--api-key" not in exec_calls[-1]
     assert "reachable from other machines" not in caplog.text
@@ -71,16 +72,28 @@ def test_serve_binds_loopback_unless_told_otherwise(exec_calls: list[list[str]],
     assert "binding 0.0.0.0: reachable from other machines with no API key" in caplog.text
 
 
-@pytest.mark.parametrize(("host", "loopback"), [("127.0.0.1", True), ("127.0.0.2", True), ("::1", True),
-                                                ("localhost", True), ("/tmp/s.sock", True), ("0.0.0.0", False),
-                                                ("::", False), ("192.168.1.5", False), ("127.0.0.1,0.0.0.0", False),
-                                                ("example.org", False)])
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.0.0.2", True),
+        ("::1", True),
+        ("localhost", True),
+        ("/tmp/s.sock", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("192.168.1.5", False),
+        ("127.0.0.1,0.0.0.0", False),
+        ("example.org", False),
+    ],
+)
 def test_loopback_detection(host: str, loopback: bool) -> None:
     assert cli._is_loopback(host) is loopback
 
 
-def test_serve_passes_the_api_key_and_never_logs_it(exec_calls: list[list[str]], caplog: pytest.LogCaptureFixture,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_serve_passes_the_api_key_and_never_logs_it(
+    exec_calls: list[list[str]], caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with caplog.at_level(logging.INFO):
         assert cli.main(["serve", "--api-key", KEY]) == 0
     assert value(exec_calls[-1], "--api-key") == KEY

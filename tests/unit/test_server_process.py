@@ -70,7 +70,7 @@ def test_read_log_tail_and_free_port(tmp_path: Path) -> None:
     assert 0 < free_port() < 65536
 
 
-FAKE_HTTP_SERVER = '''#!{python}
+FAKE_HTTP_SERVER = """#!{python}
 import http.server, sys
 args = sys.argv[1:]
 host, port = args[args.index("--host") + 1], int(args[args.index("--port") + 1])
@@ -85,7 +85,7 @@ except OSError as exc:
     print("couldn't bind HTTP server socket:", exc, flush=True); sys.exit(1)
 print("listening", port, flush=True)
 srv.serve_forever()
-'''
+"""
 
 
 def test_restart_after_a_kill_keeps_the_port_or_falls_back(tmp_path: Path, fake_model: Path) -> None:

@@ -89,7 +89,9 @@ def load_agents(path: str) -> list[Agent]:
         raise FanoutError(f"{path}: not valid {fmt}: {exc}") from exc
 
 
-def finalize_agents(agents: list[Agent], base: BaseContext, *, max_tokens: int, sampling: dict[str, Any]) -> list[Agent]:
+def finalize_agents(
+    agents: list[Agent], base: BaseContext, *, max_tokens: int, sampling: dict[str, Any]
+) -> list[Agent]:
     """Give every agent a name, a length limit and the command line's sampling, under its own params."""
     out = []
     for i, a in enumerate(agents):
@@ -130,16 +132,21 @@ class Progress:
             if payload.error:
                 self._say(f"{payload.name} failed: {payload.error}", keep=True)
             elif not self.tty:
-                self._say(f"{payload.name} done: {payload.status}, {payload.processed} prompt tokens computed, "
-                          f"{payload.latency_s:.1f}s", keep=True)
+                self._say(
+                    f"{payload.name} done: {payload.status}, {payload.processed} prompt tokens computed, "
+                    f"{payload.latency_s:.1f}s",
+                    keep=True,
+                )
         self._bar()
 
     def _bar(self) -> None:
         if self.tty:
             width = 24
             filled = int(width * self.done / max(self.total, 1))
-            line = (f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} agents, "
-                    f"{self.running} running, {self.hits} prefix reused, {time.perf_counter() - self.t0:.1f}s")
+            line = (
+                f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} agents, "
+                f"{self.running} running, {self.hits} prefix reused, {time.perf_counter() - self.t0:.1f}s"
+            )
             self.stream.write(line)
             self.stream.flush()
 
@@ -180,12 +187,24 @@ def _collect_agents(args: argparse.Namespace) -> list[Agent]:
 
 
 async def _fanout(
-    url: str, base: BaseContext, agents: list[Agent], args: argparse.Namespace, progress: Progress, kv: Any,
+    url: str,
+    base: BaseContext,
+    agents: list[Agent],
+    args: argparse.Namespace,
+    progress: Progress,
+    kv: Any,
     server: Any = None,
 ) -> tuple[FanoutResult, FanoutResult | None]:
-    async with SharedContext.connect(url, base, api_key=args.api_key, server=server, pool_slot=args.pool_slot,
-                                     concurrency=args.concurrency, timeout=args.timeout,
-                                     max_connections=max(64, (args.concurrency or 0) + 8)) as ctx:
+    async with SharedContext.connect(
+        url,
+        base,
+        api_key=args.api_key,
+        server=server,
+        pool_slot=args.pool_slot,
+        concurrency=args.concurrency,
+        timeout=args.timeout,
+        max_connections=max(64, (args.concurrency or 0) + 8),
+    ) as ctx:
         if kv is not None:
             kv.mark()
         result = await ctx.run(agents, progress=progress)
@@ -199,8 +218,10 @@ async def _fanout(
                 per_agent = max([len(await ctx.agent_tokens(a)) for a in agents]) + args.max_tokens
                 fit = max(1, (args.ctx - 64) // per_agent)
                 concurrency = min(concurrency or len(agents), fit)
-                progress._say(f"without sharing: {concurrency} agents at once fit in -c {args.ctx} "
-                              f"({per_agent} cells each)", keep=True)
+                progress._say(
+                    f"without sharing: {concurrency} agents at once fit in -c {args.ctx} ({per_agent} cells each)",
+                    keep=True,
+                )
             ctx_plain = SharedContext(ctx.client, base, share=False, concurrency=concurrency)
             plain_agents = [Agent(a.instructions, a.name, a.mode, {**a.params, "cache_prompt": False}) for a in agents]
             if kv is not None:
@@ -247,7 +268,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     _quiet_http_log()
     base = _build_base(args)
     agents = finalize_agents(
-        _collect_agents(args), base, max_tokens=args.max_tokens,
+        _collect_agents(args),
+        base,
+        max_tokens=args.max_tokens,
         sampling={k: v for k, v in (("temperature", args.temperature), ("seed", args.seed)) if v is not None},
     )
     progress = Progress(len(agents), enabled=not args.no_progress)
@@ -262,15 +285,27 @@ def _cmd_run(args: argparse.Namespace) -> int:
             from ..presets import pool_server
 
             parallel = args.parallel or min(len(agents), DEFAULT_PARALLEL)
-            server = pool_server(model=args.model, n_agents_parallel=parallel, ctx=args.ctx,
-                                 threads=args.threads, extra_args=args.server_arg or (), track_kv=not args.no_kv)
-            progress._say(f"starting the patched llama-server ({parallel} agent slots + 1 pool slot, "
-                          f"-c {args.ctx}) ...", keep=True)
+            server = pool_server(
+                model=args.model,
+                n_agents_parallel=parallel,
+                ctx=args.ctx,
+                threads=args.threads,
+                extra_args=args.server_arg or (),
+                track_kv=not args.no_kv,
+            )
+            progress._say(
+                f"starting the patched llama-server ({parallel} agent slots + 1 pool slot, -c {args.ctx}) ...",
+                keep=True,
+            )
             server.start()
             url = server.url
             kv = None if args.no_kv else KVCellsLog(server.log_path)
-            info = {"server": str(server.binary), "model": str(server.model), "log": str(server.log_path),
-                    "args": server.args}
+            info = {
+                "server": str(server.binary),
+                "model": str(server.model),
+                "log": str(server.log_path),
+                "args": server.args,
+            }
         result, baseline = asyncio.run(_fanout(url, base, agents, args, progress, kv, server))
         if server is not None:
             info["rss_mib"] = round(server.usage().rss_bytes / 2**20, 1)
@@ -308,38 +343,57 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def register(subparsers: Any) -> None:
     """Add ``run`` and ``bench`` to the ``polykv`` command's subparsers."""
     p = subparsers.add_parser(
-        "run", help="run N agents over one shared base context (prefix computed and stored once)",
+        "run",
+        help="run N agents over one shared base context (prefix computed and stored once)",
         description="Prime a pool slot with the base context and fan the agents out over it. Starts the "
-                    "patched llama-server on the default model unless --url names a running one.",
+        "patched llama-server on the default model unless --url names a running one.",
     )
     p.add_argument("prompts", nargs="*", help="agent prompts (one agent each)")
     p.add_argument("--base", "-b", help="base context file (- for stdin; default: stdin when piped)")
     p.add_argument("--agents", "-a", help="agents file: one prompt per line, or .json / .jsonl objects")
-    p.add_argument("--mode", choices=["chat", "completion"], default="chat",
-                   help="chat: the base is a system message, each agent a user message (default); "
-                        "completion: each prompt is base text + agent text")
+    p.add_argument(
+        "--mode",
+        choices=["chat", "completion"],
+        default="chat",
+        help="chat: the base is a system message, each agent a user message (default); "
+        "completion: each prompt is base text + agent text",
+    )
     p.add_argument("--system", default=DEFAULT_SYSTEM, help="system prompt placed before the document (chat mode)")
-    p.add_argument("--template", default=DEFAULT_TEMPLATE,
-                   help="completion mode: text appended to the base for each agent ({prompt} is the agent's "
-                        "prompt; default %(default)r)")
+    p.add_argument(
+        "--template",
+        default=DEFAULT_TEMPLATE,
+        help="completion mode: text appended to the base for each agent ({prompt} is the agent's "
+        "prompt; default %(default)r)",
+    )
     p.add_argument("--max-tokens", "-n", type=int, default=128, help="tokens to generate per agent (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
     p.add_argument("--concurrency", type=int, default=None, help="requests in flight (default: agent slots)")
-    p.add_argument("--timeout", type=float, default=1800.0,
-                   help="seconds a request may wait for the server's next bytes (default 1800)")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=1800.0,
+        help="seconds a request may wait for the server's next bytes (default 1800)",
+    )
     p.add_argument("--url", help="use a running patched llama-server (-kvu --no-clear-idle) instead of starting one")
     p.add_argument("--api-key", default=os.environ.get("POLYKV_API_KEY"), help="API key for --url")
     p.add_argument("--pool-slot", type=int, default=0, help="slot that holds the base (default 0)")
     p.add_argument("--model", "-m", help="GGUF path (default: $POLYKV_MODEL or the default model)")
-    p.add_argument("--parallel", type=int, default=None,
-                   help=f"agent slots of a started server (default: agents, at most {DEFAULT_PARALLEL})")
+    p.add_argument(
+        "--parallel",
+        type=int,
+        default=None,
+        help=f"agent slots of a started server (default: agents, at most {DEFAULT_PARALLEL})",
+    )
     p.add_argument("--ctx", type=int, default=DEFAULT_CTX, help=f"KV cells of a started server (default {DEFAULT_CTX})")
     p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads of a started server")
     p.add_argument("--server-arg", action="append", help="extra llama-server flag (repeatable)")
     p.add_argument("--no-kv", action="store_true", help="don't measure KV cells (no server debug log)")
-    p.add_argument("--compare", action="store_true",
-                   help="also run the agents without sharing or prompt cache, for a measured comparison")
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="also run the agents without sharing or prompt cache, for a measured comparison",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON document instead of text")
     p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
     p.set_defaults(func=_cmd_run)
@@ -347,8 +401,10 @@ def register(subparsers: Any) -> None:
     from ..harness import benchmark
 
     p = subparsers.add_parser(
-        "bench", help="benchmark the fan-out against the reference server and the in-process engine",
-        description=benchmark.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "bench",
+        help="benchmark the fan-out against the reference server and the in-process engine",
+        description=benchmark.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     benchmark.add_arguments(p)
     p.set_defaults(func=_cmd_bench)

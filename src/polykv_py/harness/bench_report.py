@@ -66,8 +66,22 @@ def round_table(doc: Json, r: int) -> str:
                     continue
                 rd = _round(cell, r)
                 if rd is None:
-                    rows.append([p, n, LABELS.get(system, system), None, None, None, None, None, None, None, None,
-                                 f"error: {str(cell.get('error', ''))[:60]}"])
+                    rows.append(
+                        [
+                            p,
+                            n,
+                            LABELS.get(system, system),
+                            None,
+                            None,
+                            None,
+                            None,
+                            None,
+                            None,
+                            None,
+                            None,
+                            f"error: {str(cell.get('error', ''))[:60]}",
+                        ]
+                    )
                     continue
                 tok_target, kv_bound = _targets(cfg, n, rd.get("prefix_tokens") or p)
                 note = ", ".join(f"{k} {v}" for k, v in sorted((rd.get("statuses") or {}).items()))
@@ -77,16 +91,36 @@ def round_table(doc: Json, r: int) -> str:
                     note += f"; -c {cell.get('ctx', 0):,}, {cell.get('slots')} slot(s)"
                 if rd.get("n_errors"):
                     note += f"; {rd['n_errors']} errors"
-                rows.append([
-                    p, n, LABELS.get(system, system), rd["wall_s"],
-                    ratio(ref_r["wall_s"], rd["wall_s"]) if ref_r else None,
-                    ratio(best_r["wall_s"], rd["wall_s"]) if best_r else None,
-                    ratio(same_r["wall_s"], rd["wall_s"]) if same_r else None,
-                    rd.get("ttft_mean_s"), rd.get("prompt_tokens_processed"), rd.get("kv_cells_peak"),
-                    rd.get("rss_peak_mib"), note,
-                ])
-    headers = ["P", "N", "system", "wall s", "x vs ref", "x vs ref best", "x vs same KV", "TTFT mean s", "prompt tok",
-               "KV peak", "RSS MiB", "share statuses / notes"]
+                rows.append(
+                    [
+                        p,
+                        n,
+                        LABELS.get(system, system),
+                        rd["wall_s"],
+                        ratio(ref_r["wall_s"], rd["wall_s"]) if ref_r else None,
+                        ratio(best_r["wall_s"], rd["wall_s"]) if best_r else None,
+                        ratio(same_r["wall_s"], rd["wall_s"]) if same_r else None,
+                        rd.get("ttft_mean_s"),
+                        rd.get("prompt_tokens_processed"),
+                        rd.get("kv_cells_peak"),
+                        rd.get("rss_peak_mib"),
+                        note,
+                    ]
+                )
+    headers = [
+        "P",
+        "N",
+        "system",
+        "wall s",
+        "x vs ref",
+        "x vs ref best",
+        "x vs same KV",
+        "TTFT mean s",
+        "prompt tok",
+        "KV peak",
+        "RSS MiB",
+        "share statuses / notes",
+    ]
     return table(headers, rows, markdown=True)
 
 
@@ -95,14 +129,29 @@ def capacity_table(doc: Json) -> str:
     for c in doc.get("capacity", []):
         steps = "; ".join(
             f"N={s['n']}: {'fits' if s.get('fits') else 'fails' if s.get('fits') is False else s.get('note', '?')}"
-            + (f" (KV peak {s['kv_cells_peak']:,}, {s.get('kv_evictions', 0)} eviction lines)"
-               if s.get("kv_cells_peak") is not None else "")
+            + (
+                f" (KV peak {s['kv_cells_peak']:,}, {s.get('kv_evictions', 0)} eviction lines)"
+                if s.get("kv_cells_peak") is not None
+                else ""
+            )
             for s in c.get("steps", [])
         )
-        rows.append([LABELS.get(c["system"], c["system"]), c["ctx"], c["p"], c.get("predicted"),
-                     c.get("largest_fitting"), c.get("smallest_failing"), steps or c.get("error", "-")])
-    return table(["system", "-c", "P", "predicted N", "largest N that fit", "smallest N that failed", "steps"],
-                 rows, markdown=True)
+        rows.append(
+            [
+                LABELS.get(c["system"], c["system"]),
+                c["ctx"],
+                c["p"],
+                c.get("predicted"),
+                c.get("largest_fitting"),
+                c.get("smallest_failing"),
+                steps or c.get("error", "-"),
+            ]
+        )
+    return table(
+        ["system", "-c", "P", "predicted N", "largest N that fit", "smallest N that failed", "steps"],
+        rows,
+        markdown=True,
+    )
 
 
 def headline(doc: Json) -> list[str]:
@@ -112,15 +161,18 @@ def headline(doc: Json) -> list[str]:
     lines = []
     n_t = 8 if 8 in cfg["ns"] else max(cfg["ns"])
     p_t = min(cfg["ps"], key=lambda x: abs(x - 2048))
-    pat, ref, best, same = (idx.get((s, n_t, p_t))
-                            for s in ("patched", "reference", "reference_best", "reference_matched"))
+    pat, ref, best, same = (
+        idx.get((s, n_t, p_t)) for s in ("patched", "reference", "reference_best", "reference_matched")
+    )
     if pat and _round(pat, 0):
         pr = _round(pat, 0)
         assert pr is not None
         tok_target, kv_bound = _targets(cfg, n_t, pr.get("prefix_tokens") or p_t)
-        lines.append(f"- N={n_t}, P={p_t}: patched prompt tokens processed {fmt(pr['prompt_tokens_processed'])} "
-                     f"(target P+N*S = {tok_target:,}); peak KV cells {fmt(pr.get('kv_cells_peak'))} "
-                     f"(bound P+N*(S+G) = {kv_bound:,} + small constant)")
+        lines.append(
+            f"- N={n_t}, P={p_t}: patched prompt tokens processed {fmt(pr['prompt_tokens_processed'])} "
+            f"(target P+N*S = {tok_target:,}); peak KV cells {fmt(pr.get('kv_cells_peak'))} "
+            f"(bound P+N*(S+G) = {kv_bound:,} + small constant)"
+        )
         for other, name, want in ((ref, "reference", 6), (best, "reference with its best built-in option", 6)):
             orr = _round(other, 0) if other else None
             if orr:
@@ -136,20 +188,28 @@ def headline(doc: Json) -> list[str]:
             lines.append(
                 f"- round 1 vs the reference held to the same KV budget (-c {same.get('ctx', 0):,}, "
                 f"{same.get('slots')} slot(s), agents queued): {fmt(ratio(sr['wall_s'], pr['wall_s']))}x faster, "
-                f"mean TTFT {fmt(sr.get('ttft_mean_s'))} s vs {fmt(pr.get('ttft_mean_s'))} s (no target)")
+                f"mean TTFT {fmt(sr.get('ttft_mean_s'))} s vs {fmt(pr.get('ttft_mean_s'))} s (no target)"
+            )
         pr2 = _round(pat, 1)
-        for other, name in ((ref, "reference"), (best, "reference with its best built-in option"),
-                            (same, "reference held to the same KV budget")):
+        for other, name in (
+            (ref, "reference"),
+            (best, "reference with its best built-in option"),
+            (same, "reference held to the same KV budget"),
+        ):
             or2 = _round(other, 1) if other else None
             if pr2 and or2:
-                lines.append(f"- round 2 (a new question per agent) vs the {name}'s round 2: "
-                             f"{fmt(ratio(or2['wall_s'], pr2['wall_s']))}x; prompt tokens "
-                             f"{fmt(or2['prompt_tokens_processed'])} vs {fmt(pr2['prompt_tokens_processed'])} "
-                             "(target >= 15x)")
+                lines.append(
+                    f"- round 2 (a new question per agent) vs the {name}'s round 2: "
+                    f"{fmt(ratio(or2['wall_s'], pr2['wall_s']))}x; prompt tokens "
+                    f"{fmt(or2['prompt_tokens_processed'])} vs {fmt(pr2['prompt_tokens_processed'])} "
+                    "(target >= 15x)"
+                )
     for c in doc.get("capacity", []):
-        lines.append(f"- capacity at -c {c['ctx']}, P={c['p']}: {LABELS.get(c['system'], c['system'])} "
-                     f"largest N that fit = {fmt(c.get('largest_fitting'))} (tried {c.get('candidates')}, "
-                     f"predicted {c.get('predicted')}; targets: patched >= 100, reference about 3)")
+        lines.append(
+            f"- capacity at -c {c['ctx']}, P={c['p']}: {LABELS.get(c['system'], c['system'])} "
+            f"largest N that fit = {fmt(c.get('largest_fitting'))} (tried {c.get('candidates')}, "
+            f"predicted {c.get('predicted')}; targets: patched >= 100, reference about 3)"
+        )
     return lines
 
 
@@ -161,21 +221,31 @@ def markdown(doc: Json) -> str:
     out = [
         "# polykv fan-out benchmark",
         "",
-        (f"Machine: {m.get('cpu', '?')}, {m.get('logical_cpus', '?')} logical CPUs, {m.get('memory_gib', '?')} GiB; "
-         f"{m.get('threads_per_server', '?')} threads per server; load average at start "
-         f"{m.get('load_avg_start')}, at end {m.get('load_avg_end', '-')}."),
-        (f"Model: `{Path(str(doc.get('model', '?'))).name}`. Started {doc.get('started', '?')}, "
-         f"finished {doc.get('finished', '(running)')}."),
-        (f"Grid: N in {sorted(cfg.get('ns', []))}, P in {sorted(cfg.get('ps', []))}, {cfg.get('suffix')}-token "
-         f"suffixes, {cfg.get('gen')} generated tokens (greedy, ignore_eos), {cfg.get('rounds')} rounds{quick}."),
-        ("Servers: `-kvu -np N+1 -c (N+1)*(P+S+G+16)`, one fresh server per cell; reference = pristine server with "
-         "the patched server's flags (`--no-clear-idle --cache-ram 0`); reference best = `--cache-ram 8192 "
-         "--cache-idle-slots --slot-prompt-similarity 0.1` and the base sent once first; patched = pool slot "
-         "primed, agents share it; reference same KV budget = pristine server at `-c` = the sharing bound "
-         "P+N*(S+G+16)+64 (rounded up to 256) with as many slots as whole prompts fit, agents queued that many at "
-         "a time. Round 2 asks every agent a new question (same base, new suffix)."),
-        (f"KV cells: {doc.get('kv_cells_method', '-')}. Wall time and TTFT are measured from the start of the "
-         "fan-out, priming included. 'x vs ref' = reference wall time / this wall time."),
+        (
+            f"Machine: {m.get('cpu', '?')}, {m.get('logical_cpus', '?')} logical CPUs, {m.get('memory_gib', '?')} GiB; "
+            f"{m.get('threads_per_server', '?')} threads per server; load average at start "
+            f"{m.get('load_avg_start')}, at end {m.get('load_avg_end', '-')}."
+        ),
+        (
+            f"Model: `{Path(str(doc.get('model', '?'))).name}`. Started {doc.get('started', '?')}, "
+            f"finished {doc.get('finished', '(running)')}."
+        ),
+        (
+            f"Grid: N in {sorted(cfg.get('ns', []))}, P in {sorted(cfg.get('ps', []))}, {cfg.get('suffix')}-token "
+            f"suffixes, {cfg.get('gen')} generated tokens (greedy, ignore_eos), {cfg.get('rounds')} rounds{quick}."
+        ),
+        (
+            "Servers: `-kvu -np N+1 -c (N+1)*(P+S+G+16)`, one fresh server per cell; reference = pristine server with "
+            "the patched server's flags (`--no-clear-idle --cache-ram 0`); reference best = `--cache-ram 8192 "
+            "--cache-idle-slots --slot-prompt-similarity 0.1` and the base sent once first; patched = pool slot "
+            "primed, agents share it; reference same KV budget = pristine server at `-c` = the sharing bound "
+            "P+N*(S+G+16)+64 (rounded up to 256) with as many slots as whole prompts fit, agents queued that many at "
+            "a time. Round 2 asks every agent a new question (same base, new suffix)."
+        ),
+        (
+            f"KV cells: {doc.get('kv_cells_method', '-')}. Wall time and TTFT are measured from the start of the "
+            "fan-out, priming included. 'x vs ref' = reference wall time / this wall time."
+        ),
         "",
     ]
     for note in doc.get("notes", []):
@@ -222,16 +292,25 @@ def plot(doc: Json, path: Path) -> Path | None:
                         xs.append(n)
                         ys.append(rd[key])
                 if xs:
-                    ax.plot(xs, ys, styles[pi % len(styles)], marker="o", color=f"C{si}",
-                            label=f"{LABELS.get(system, system)}, P={p}")
+                    ax.plot(
+                        xs,
+                        ys,
+                        styles[pi % len(styles)],
+                        marker="o",
+                        color=f"C{si}",
+                        label=f"{LABELS.get(system, system)}, P={p}",
+                    )
         ax.set_xscale("log", base=2)
         ax.set_xlabel("agents N")
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize=7)
     m = doc.get("machine", {})
-    fig.suptitle(f"polykv fan-out, {Path(str(doc.get('model', ''))).name}, {m.get('cpu', '')} "
-                 f"({m.get('threads_per_server')} threads)", fontsize=9)
+    fig.suptitle(
+        f"polykv fan-out, {Path(str(doc.get('model', ''))).name}, {m.get('cpu', '')} "
+        f"({m.get('threads_per_server')} threads)",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -449,6 +449,26 @@ def _sharer_verdict(answer: Json, sharer: Sharer, expect: str) -> tuple[bool, st
     return True, f"miss reported ({expect}), full prompt of {prompt_n} tokens re-processed", got
 
 
+def _sharer_case(s: Sharer, verdict: tuple[bool, str, Json], mine: Answer, ref: Answer, same_key: str) -> Json:
+    """A sharer's entry in a check's report: the verdict on its status, and its answer byte-compared with the
+    reference server's (``same_key`` names that comparison)."""
+    ok_status, why, got = verdict
+    same, diff = compare(mine, ref, VOLATILE_FIELDS + SHARE_FIELDS, VOLATILE_FIELDS)
+    return {"name": s.case.name, "ok": ok_status and same, "P": s.p, "n_prompt": s.n_prompt, **got,
+            "status_ok": ok_status, "status_check": why, same_key: same, "difference": diff}  # fmt: skip
+
+
+def _sameness(case: Json) -> str:
+    return "identical" if not case["difference"] else f"DIFFERENT: {case['difference']}"
+
+
+def _failed_sharers(bad: list[Json], n: int, where: str = "") -> str:
+    """The summary of a check whose sharers failed: how many, and why the first did."""
+    first = bad[0]
+    reason = first["status_check"] if not first["status_ok"] else f"output differs: {first['difference']}"
+    return f"{len(bad)}/{n} sharers failed{where}; {first['name']}: {reason}"
+
+
 def check_share_hit(servers: _Servers) -> CheckResult:
     """Sharers hit one pool together, and each is exact against the reference's own-cache answer.
 
@@ -501,8 +521,7 @@ def check_share_hit(servers: _Servers) -> CheckResult:
             own_raw = send(ref.client, s.case)
             ref_fresh = final_of(send(ref.client, s.fresh()), "/completion") if cfg.fresh_info else {}
         mine, own = final_of(mine_raw, "/completion"), final_of(own_raw, "/completion")
-        ok_status, why, got = _sharer_verdict(mine, s, "hit")
-        same, diff = compare(mine_raw, own_raw, VOLATILE_FIELDS + SHARE_FIELDS, VOLATILE_FIELDS)
+        case = _sharer_case(s, _sharer_verdict(mine, s, "hit"), mine_raw, own_raw, "identical_to_reference_own_cache")
         info = {
             "share_server_first_token_max_logprob_diff": first_token_logprob_diff(mine, mine_fresh),
             "share_server_text_equal": mine.get("content") == mine_fresh.get("content"),
@@ -511,29 +530,9 @@ def check_share_hit(servers: _Servers) -> CheckResult:
             "together_phase_text_equal": mine.get("content")
             == final_of(together[s.with_pool().name], "/completion").get("content"),
         }
-        res.cases.append(
-            {
-                "name": s.case.name,
-                "ok": ok_status and same,
-                "P": s.p,
-                "n_prompt": s.n_prompt,
-                **got,
-                "status_ok": ok_status,
-                "status_check": why,
-                "identical_to_reference_own_cache": same,
-                "difference": diff,
-                "text": mine.get("content"),
-                "info_vs_fresh_one_pass": info,
-            }
-        )
-        log.info(
-            "  exact %s: P=%d n_prompt=%d -> %s; vs reference own cache: %s",
-            s.case.name,
-            s.p,
-            s.n_prompt,
-            why,
-            "identical" if same else f"DIFFERENT: {diff}",
-        )
+        res.cases.append({**case, "text": mine.get("content"), "info_vs_fresh_one_pass": info})
+        log.info("  exact %s: P=%d n_prompt=%d -> %s; vs reference own cache: %s", s.case.name, s.p, s.n_prompt,
+                 case["status_check"], _sameness(case))  # fmt: skip
         log.info(
             "    (info) fresh one-pass vs cached answer, max first-token |dlogprob|: share server %s, reference %s",
             info["share_server_first_token_max_logprob_diff"],
@@ -551,9 +550,7 @@ def check_share_hit(servers: _Servers) -> CheckResult:
     elif health != "ok":
         res.summary = f"the {kind} server is {health} after the sharers"
     elif bad:
-        first = bad[0]
-        reason = first["status_check"] if not first["status_ok"] else f"output differs: {first['difference']}"
-        res.summary = f"{len(bad)}/{len(res.cases)} sharers failed against the reference; {first['name']}: {reason}"
+        res.summary = _failed_sharers(bad, len(res.cases), " against the reference")
     else:
         res.summary = (
             f"{len(sharers)} concurrent sharers hit one pool (P={[s.p for s in sharers]}) and processed "
@@ -586,31 +583,16 @@ def check_fallback_miss(servers: _Servers) -> CheckResult:
         ref_answers = {s.index: send(ref.client, s.case) for s in sharers}
     res.info["health_after_each_sharer"] = health
     for s in sharers:
-        ok_status, why, got = verdicts[s.index]
-        same, diff = compare(answers[s.index], ref_answers[s.index], VOLATILE_FIELDS + SHARE_FIELDS, VOLATILE_FIELDS)
-        res.cases.append(
-            {
-                "name": s.case.name,
-                "ok": ok_status and same,
-                "P": s.p,
-                "n_prompt": s.n_prompt,
-                **got,
-                "status_ok": ok_status,
-                "status_check": why,
-                "identical_to_reference": same,
-                "difference": diff,
-            }
-        )
-        log.info("  %s: %s; vs reference: %s", s.case.name, why, "identical" if same else f"DIFFERENT: {diff}")
+        case = _sharer_case(s, verdicts[s.index], answers[s.index], ref_answers[s.index], "identical_to_reference")
+        res.cases.append(case)
+        log.info("  %s: %s; vs reference: %s", s.case.name, case["status_check"], _sameness(case))
     bad = [c for c in res.cases if not c["ok"]]
     healthy = all(h == "ok" for h in health)
     res.ok = not bad and healthy
     if not healthy:
         res.summary = f"server not healthy after the sharers: {health}"
     elif bad:
-        first = bad[0]
-        reason = first["status_check"] if not first["status_ok"] else f"output differs: {first['difference']}"
-        res.summary = f"{len(bad)}/{len(res.cases)} sharers failed; {first['name']}: {reason}"
+        res.summary = _failed_sharers(bad, len(res.cases))
     else:
         res.summary = (
             f"pool evicted by idle-slot caching: {len(sharers)} sharers reported not_resident, re-processed "

@@ -32,11 +32,13 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Cell]], *, markdown: b
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
 
     def line(vals: Sequence[str]) -> str:
-        out = [v.rjust(w) if num else v.ljust(w) for v, w, num in zip(vals, widths, numeric)]
+        out = [v.rjust(w) if num else v.ljust(w) for v, w, num in zip(vals, widths, numeric, strict=True)]
         return ("| " + " | ".join(out) + " |") if markdown else "  ".join(out).rstrip()
 
     sep = (
-        "|" + "|".join(("-" * (w + 1) + ":") if num else ("-" * (w + 2)) for w, num in zip(widths, numeric)) + "|"
+        "|"
+        + "|".join(("-" * (w + 1) + ":") if num else ("-" * (w + 2)) for w, num in zip(widths, numeric, strict=True))
+        + "|"
         if markdown
         else "  ".join("-" * w for w in widths)
     )
@@ -69,8 +71,11 @@ def summary_rows(result: FanoutResult, baseline: FanoutResult | None = None) -> 
         ["agents", len(result.agents), len(baseline.agents) if baseline else len(result.agents)],
         ["prefix tokens (P, shared)", result.prefix_tokens, 0],
         ["pool (templated base) tokens", result.pool_tokens, None],
-        ["prompt tokens processed", result.tokens_processed,
-         baseline.tokens_processed if baseline else result.tokens_without_sharing],
+        [
+            "prompt tokens processed",
+            result.tokens_processed,
+            baseline.tokens_processed if baseline else result.tokens_without_sharing,
+        ],
         ["KV cells in use (peak, measured)", result.kv_cells_peak, kv_without],
         ["KV cells, all agents resident (model)", result.kv_cells_with_sharing, result.kv_cells_without_sharing],
         ["wall time s (priming included)", result.wall_s, baseline.wall_s if baseline else None],

@@ -21,6 +21,7 @@ import pytest
 from polykv_py.client import COMPLETION, Client, Share, aggregate
 from polykv_py.errors import ServerError
 from polykv_py.harness.compare import compare_greedy
+from polykv_py.harness.texts import cut_to_tokens
 from polykv_py.presets import NO_HOST_CACHE, UNIFIED_KV, pool_slot_args, slots_args
 from polykv_py.server import LlamaServer
 
@@ -32,8 +33,7 @@ GREEDY: dict[str, Any] = {"temperature": 0, "cache_prompt": True}
 def text_of(c: Client, n_tokens: int, seed: int) -> str:
     """A prompt of exactly ``n_tokens`` tokens (numbered facts, cut at a token boundary)."""
     lines = [f"Record {seed}-{i}: the archive lists item {i * 7 + seed} under shelf {i % 13}." for i in range(n_tokens)]
-    ids = c.tokenize("\n".join(lines))[:n_tokens]
-    out = c.detokenize(ids)
+    out = cut_to_tokens("\n".join(lines), n_tokens, c.tokenize, c.detokenize)
     assert len(c.tokenize(out)) == n_tokens, "prompt does not round-trip at this cut"
     return out
 

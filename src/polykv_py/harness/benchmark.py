@@ -51,6 +51,7 @@ from ..results import FanoutResult
 from ..server import LlamaServer
 from .bench_report import cpu_model
 from .kvcells import KV_METHOD, KVCellsLog
+from .texts import Detokenize, Tokenize, cut_to_tokens, repeat_to_tokens
 
 log = logging.getLogger(__name__)
 
@@ -88,20 +89,15 @@ class BenchConfig:
 
 
 # --------------------------------------------------------------------------- inputs
-def base_text(target_tokens: int, tokenize: Any, detokenize: Any) -> str:
+def base_text(target_tokens: int, tokenize: Tokenize, detokenize: Detokenize) -> str:
     """A text of about ``target_tokens`` tokens: the sample document (package data), repeated and cut."""
-    doc = sample_document()
-    text = doc
-    while len(tokenize(text)) < target_tokens + 8:
-        text += "\n\n" + doc
-    return detokenize(tokenize(text)[:target_tokens])
+    return repeat_to_tokens(sample_document(), target_tokens, tokenize, detokenize)
 
 
-def suffix_text(i: int, target_tokens: int, tokenize: Any, detokenize: Any, round_: int = 0) -> str:
+def suffix_text(i: int, target_tokens: int, tokenize: Tokenize, detokenize: Detokenize, round_: int = 0) -> str:
     """Agent ``i``'s distinct suffix of about ``target_tokens`` tokens for round ``round_``."""
     head = f"\n\nReviewer {i + 1}, question {i * 7 + 3 + 100 * round_}: "
-    text = head + FILLER * 4
-    return detokenize(tokenize(text)[:target_tokens])
+    return cut_to_tokens(head + FILLER * 4, target_tokens, tokenize, detokenize)
 
 
 def ctx_for(n: int, p: int, s: int, g: int) -> int:

@@ -18,6 +18,9 @@ RECORD), deletes the wheel, and prints the defines:
 
 If the toolkit already has cuBLAS it prints nothing. It also looks for libcuda and says on
 stderr what to do when there is none (no NVIDIA driver, no toolkit stubs).
+
+It uses polykv_py's pin and cache helpers: run it from the repository root with
+PYTHONPATH=src (`PYTHONPATH=src python scripts/cuda_deps.py ...`), or where polykv is installed.
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ from __future__ import annotations
 import argparse
 import base64
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -37,6 +39,10 @@ import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from polykv_py.cache import cache_dir
+from polykv_py.errors import PinError
+from polykv_py.pins import PinnedPackage, fetch
 
 log = logging.getLogger("cuda_deps")
 
@@ -86,18 +92,6 @@ class Cublas:
         return self.lib_dir / "libcublasLt.so"
 
 
-# --------------------------------------------------------------------------- polykv helpers
-
-
-def _polykv_helpers():
-    """cache_dir, PinError, PinnedPackage, fetch from this source tree (see patchtool)."""
-    spec = importlib.util.spec_from_file_location("polykv_patchtool_for_cuda", Path(__file__).with_name("patchtool.py"))
-    assert spec and spec.loader
-    patchtool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(patchtool)
-    return patchtool._source_tree_pins()
-
-
 # --------------------------------------------------------------------------- the toolkit
 
 
@@ -108,8 +102,13 @@ def find_toolkit(nvcc: str | None = None) -> Toolkit:
         raise CudaDepsError("nvcc is not on PATH: install the CUDA toolkit (or pass --nvcc PATH)")
     try:
         out = subprocess.run([exe, "--version"], check=False, capture_output=True, text=True, timeout=60).stdout
-        dry = subprocess.run([exe, "--dryrun", "-x", "cu", "-c", os.devnull, "-o", os.devnull],
-                             check=False, capture_output=True, text=True, timeout=60)
+        dry = subprocess.run(
+            [exe, "--dryrun", "-x", "cu", "-c", os.devnull, "-o", os.devnull],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise CudaDepsError(f"cannot run {exe}: {exc}") from exc
     m = re.search(r"release (\d+\.\d+)", out)
@@ -129,8 +128,9 @@ def toolkit_has_cublas(tk: Toolkit) -> bool:
     if tk.root is None:
         return False
     lib = any((d / "libcublas.so").exists() for d in _lib_dirs(tk.root))
-    header = any((d / "cublas_v2.h").is_file()
-                 for d in [tk.root / "include", *sorted(tk.root.glob("targets/*/include"))])
+    header = any(
+        (d / "cublas_v2.h").is_file() for d in [tk.root / "include", *sorted(tk.root.glob("targets/*/include"))]
+    )
     return lib and header
 
 
@@ -165,7 +165,7 @@ def _record_hashes(zf: zipfile.ZipFile) -> dict[str, str]:
     for line in zf.read(record).decode().splitlines():
         parts = line.rsplit(",", 2)
         if len(parts) == 3 and parts[1].startswith("sha256="):
-            hashes[parts[0]] = parts[1][len("sha256="):]
+            hashes[parts[0]] = parts[1][len("sha256=") :]
     return hashes
 
 
@@ -229,7 +229,6 @@ def extract_cublas(wheel: Path, dest: Path) -> None:
 
 def provide_cublas(major: int, *, wheel: Path | None = None, machine: str | None = None) -> Cublas:
     """cuBLAS for CUDA `major` in the polykv cache, fetched and extracted on first use."""
-    cache_dir, PinError, PinnedPackage, fetch = _polykv_helpers()
     cuda_cache = cache_dir() / "cuda"
     if wheel is not None:
         wheel = wheel.resolve()
@@ -247,7 +246,8 @@ def provide_cublas(major: int, *, wheel: Path | None = None, machine: str | None
         raise CudaDepsError(
             f"no pinned {CUBLAS_PACKAGE} wheel for CUDA {major} on {machine} (pinned: {known}). "
             "Install cuBLAS with the CUDA toolkit, or download an nvidia-cublas wheel that matches "
-            "your nvcc and pass it with --wheel FILE.")
+            "your nvcc and pass it with --wheel FILE."
+        )
     version, filename, sha256 = pin
     dest = cuda_cache / f"{CUBLAS_PACKAGE}-{version}"
     if _stamp_ok(dest):
@@ -262,7 +262,8 @@ def provide_cublas(major: int, *, wheel: Path | None = None, machine: str | None
             f"could not get cuBLAS for CUDA {major}: {exc}\n"
             "Alternatives: install cuBLAS with the CUDA toolkit, or download the wheel on a machine that "
             f"reaches the registry (python -m pip download --no-deps --only-binary :all: {CUBLAS_PACKAGE}=={version}) "
-            "and pass it with --wheel FILE.") from exc
+            "and pass it with --wheel FILE."
+        ) from exc
     extract_cublas(got, dest)
     got.unlink()  # the extracted files are what the build uses
     return Cublas(dest / "lib", dest / "include", version)
@@ -287,13 +288,17 @@ def cmake_defines(*, nvcc: str | None = None, wheel: Path | None = None, force: 
         cb = provide_cublas(tk.major, wheel=wheel)
         sonames = sorted(p.name for p in cb.lib_dir.glob("libcublas.so.*"))
         if sonames and not sonames[0].startswith(f"libcublas.so.{tk.major}"):
-            raise CudaDepsError(f"{sonames[0]} ({cb.lib_dir}) is not cuBLAS for CUDA {tk.major}, "
-                                f"the version of {tk.nvcc}; use an nvidia-cublas wheel for CUDA {tk.major}")
-        defines.update({
-            "CUDA_cublas_LIBRARY": str(cb.cublas),
-            "CUDA_cublasLt_LIBRARY": str(cb.cublas_lt),
-            "CMAKE_CUDA_STANDARD_INCLUDE_DIRECTORIES": str(cb.include_dir),
-        })
+            raise CudaDepsError(
+                f"{sonames[0]} ({cb.lib_dir}) is not cuBLAS for CUDA {tk.major}, "
+                f"the version of {tk.nvcc}; use an nvidia-cublas wheel for CUDA {tk.major}"
+            )
+        defines.update(
+            {
+                "CUDA_cublas_LIBRARY": str(cb.cublas),
+                "CUDA_cublasLt_LIBRARY": str(cb.cublas_lt),
+                "CMAKE_CUDA_STANDARD_INCLUDE_DIRECTORIES": str(cb.include_dir),
+            }
+        )
     driver = find_cuda_driver(tk)
     if driver is not None and driver.name != "libcuda.so":
         defines["CUDA_cuda_driver_LIBRARY"] = str(driver)
@@ -307,8 +312,12 @@ def format_defines(defines: dict[str, str], fmt: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--format", choices=["cmake", "pip"], default="cmake",
-                        help="cmake: -DNAME=VALUE; pip: -C cmake.define.NAME=VALUE")
+    parser.add_argument(
+        "--format",
+        choices=["cmake", "pip"],
+        default="cmake",
+        help="cmake: -DNAME=VALUE; pip: -C cmake.define.NAME=VALUE",
+    )
     parser.add_argument("--nvcc", help="the nvcc to match (default: nvcc on PATH)")
     parser.add_argument("--wheel", type=Path, help="use this nvidia-cublas wheel instead of fetching the pinned one")
     parser.add_argument("--force", action="store_true", help="supply cuBLAS even if the toolkit has it")
@@ -323,9 +332,11 @@ def main(argv: list[str] | None = None) -> int:
     if not defines:
         log.info("the CUDA %s toolkit at %s has cuBLAS; nothing to pass", tk.version, tk.root)
     if find_cuda_driver(tk) is None:
-        log.warning("no libcuda found (no NVIDIA driver, no toolkit stubs): ggml-cuda links it for its "
-                    "virtual-memory pool, so configure fails at CUDA::cuda_driver. Build on a machine with the "
-                    "driver, pass CUDA_cuda_driver_LIBRARY=/path/to/libcuda.so, or add GGML_CUDA_NO_VMM=ON.")
+        log.warning(
+            "no libcuda found (no NVIDIA driver, no toolkit stubs): ggml-cuda links it for its "
+            "virtual-memory pool, so configure fails at CUDA::cuda_driver. Build on a machine with the "
+            "driver, pass CUDA_cuda_driver_LIBRARY=/path/to/libcuda.so, or add GGML_CUDA_NO_VMM=ON."
+        )
     print(format_defines(defines, args.format))
     return 0
 

@@ -5,9 +5,11 @@ The real build is `pip install .` (CMakeLists.txt). This script lets you iterate
 src/_cffi_src and src/polykv_py without a wheel: it emits the C, compiles it with the
 system compiler against TREE's headers and BUILD's libllama, and writes
 src/polykv_py/_native/ (build_info.json, bin/ and lib/ links) so the package runs
-from the source tree with PYTHONPATH=src.
+from the source tree with PYTHONPATH=src. Run it from the repository root with PYTHONPATH=src
+too: patchtool, which it imports from scripts/ (its own directory, so on sys.path), imports
+polykv_py's pin helpers:
 
-    python scripts/dev_build_ext.py --tree /path/llama.cpp --build /path/build \
+    PYTHONPATH=src python scripts/dev_build_ext.py --tree /path/llama.cpp --build /path/build \
         [--upstream-server /path/llama-server-upstream]
 """
 
@@ -20,6 +22,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import patchtool
+
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "src" / "polykv_py"
 
@@ -30,9 +34,6 @@ def main() -> int:
     ap.add_argument("--build", type=Path, required=True)
     ap.add_argument("--upstream-server", type=Path)
     args = ap.parse_args()
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import patchtool  # noqa: PLC0415
-
     series = patchtool.series_hash()
     commit = patchtool.read_pin()["upstream_commit"]
     c_file = ROOT / "build" / "dev" / "_llama_cffi.c"
@@ -40,11 +41,23 @@ def main() -> int:
     subprocess.run([sys.executable, str(ROOT / "src" / "_cffi_src" / "build_llama.py"), str(c_file)], check=True)
     libdir = args.build.resolve() / "bin"
     out = PKG / ("_llama_cffi" + sysconfig.get_config_var("EXT_SUFFIX"))
-    cmd = ["cc", "-shared", "-fPIC", "-O1", str(c_file), "-o", str(out),
-           f"-I{args.tree / 'include'}", f"-I{args.tree / 'ggml' / 'include'}",
-           f"-I{sysconfig.get_paths()['include']}",
-           f'-DPOLYKV_UPSTREAM_COMMIT="{commit}"', f'-DPOLYKV_PATCH_SERIES_SHA256="{series}"',
-           f"-L{libdir}", "-lllama", f"-Wl,-rpath,{libdir}"]
+    cmd = [
+        "cc",
+        "-shared",
+        "-fPIC",
+        "-O1",
+        str(c_file),
+        "-o",
+        str(out),
+        f"-I{args.tree / 'include'}",
+        f"-I{args.tree / 'ggml' / 'include'}",
+        f"-I{sysconfig.get_paths()['include']}",
+        f'-DPOLYKV_UPSTREAM_COMMIT="{commit}"',
+        f'-DPOLYKV_PATCH_SERIES_SHA256="{series}"',
+        f"-L{libdir}",
+        "-lllama",
+        f"-Wl,-rpath,{libdir}",
+    ]
     subprocess.run(cmd, check=True)
     native = PKG / "_native"
     (native / "bin").mkdir(parents=True, exist_ok=True)
@@ -58,9 +71,17 @@ def main() -> int:
         lib.unlink()
     if not lib.exists():
         lib.symlink_to(libdir)
-    info = {"upstream_commit": commit, "patch_series_sha256": series, "dev_build": True,
-            "llama_cpp_source": str(args.tree.resolve()), "patches": [p.name for p in patchtool.patch_files()],
-            "backends": ["CPU"], "cpu_flags": [], "cmake_defines": {}, "build_type": "dev"}
+    info = {
+        "upstream_commit": commit,
+        "patch_series_sha256": series,
+        "dev_build": True,
+        "llama_cpp_source": str(args.tree.resolve()),
+        "patches": [p.name for p in patchtool.patch_files()],
+        "backends": ["CPU"],
+        "cpu_flags": [],
+        "cmake_defines": {},
+        "build_type": "dev",
+    }
     (native / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
     print(f"built {out}")
     return 0

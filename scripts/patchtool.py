@@ -15,6 +15,10 @@ Subcommands (all re-runnable):
 Patches are applied with `git apply` (works outside a git repository). A tree records
 what was applied in `.polykv-patches.json` (with copies in `.polykv-applied/`): a second
 run neither re-applies nor fails, and an edited patch is rolled back and re-applied.
+
+The pinned sdist is fetched with polykv_py's pin, cache and error helpers, imported from
+this source tree: run it from the repository root as `PYTHONPATH=src python
+scripts/patchtool.py ...` (CMakeLists.txt runs it that way; see patches/README.md).
 """
 
 from __future__ import annotations
@@ -30,6 +34,10 @@ import sys
 import tarfile
 import tomllib
 from pathlib import Path
+
+from polykv_py.cache import cache_dir
+from polykv_py.errors import PinError
+from polykv_py.pins import PinnedPackage, fetch
 
 ROOT = Path(__file__).resolve().parent.parent
 PIN_FILE = ROOT / "vendor" / "llama.cpp.pin"
@@ -54,29 +62,8 @@ def read_pin() -> dict[str, str]:
         return tomllib.load(f)
 
 
-def _source_tree_pins():
-    """polykv_py's download helpers, imported from this source tree without leaving it
-    on sys.path or in sys.modules (an installed polykv_py must not be shadowed)."""
-    saved_path = list(sys.path)
-    saved_mods = {k: v for k, v in sys.modules.items() if k == "polykv_py" or k.startswith("polykv_py.")}
-    for k in saved_mods:
-        del sys.modules[k]
-    sys.path.insert(0, str(ROOT / "src"))
-    try:
-        from polykv_py.cache import cache_dir  # noqa: PLC0415 - build-time import by path
-        from polykv_py.errors import PinError  # noqa: PLC0415
-        from polykv_py.pins import PinnedPackage, fetch  # noqa: PLC0415
-    finally:
-        sys.path[:] = saved_path
-        for k in [k for k in sys.modules if k == "polykv_py" or k.startswith("polykv_py.")]:
-            del sys.modules[k]
-        sys.modules.update(saved_mods)
-    return cache_dir, PinError, PinnedPackage, fetch
-
-
 def fetch_sdist(pin: dict[str, str]) -> Path:
     """The pinned sdist from the cache, downloading it with pip on first use."""
-    cache_dir, PinError, PinnedPackage, fetch = _source_tree_pins()
     pinned = PinnedPackage(pin["package"], pin["version"], pin["sdist"], pin["sha256"], "sdist")
     try:
         return fetch(pinned, cache_dir() / "downloads")
@@ -93,12 +80,12 @@ def _extract(sdist: Path, prefix: str, dest: Path, record: dict[str, object]) ->
         for member in tar:
             if not member.name.startswith(prefix):
                 continue
-            rel = member.name[len(prefix):]
+            rel = member.name[len(prefix) :]
             if not rel or rel == ".git":  # .git is a dangling submodule pointer in the sdist
                 continue
-            member = member.replace(name=rel)
-            tar.extract(member, tmp, filter="data")
-            count += member.isfile()
+            renamed = member.replace(name=rel)
+            tar.extract(renamed, tmp, filter="data")
+            count += renamed.isfile()
     if count == 0:
         shutil.rmtree(tmp)
         raise PatchToolError(f"{sdist.name} has no files under {prefix}")
@@ -111,14 +98,18 @@ def _extract(sdist: Path, prefix: str, dest: Path, record: dict[str, object]) ->
 
 def unpack(pin: dict[str, str], dest: Path, subdir: str = "") -> None:
     """Unpack the pinned tree (or one subdir of it) into dest, unless already there."""
-    record = {"package": pin["package"], "version": pin["version"], "sha256": pin["sha256"],
-              "upstream_commit": pin["upstream_commit"], "subdir": subdir}
+    record = {
+        "package": pin["package"],
+        "version": pin["version"],
+        "sha256": pin["sha256"],
+        "upstream_commit": pin["upstream_commit"],
+        "subdir": subdir,
+    }
     existing = dest / SOURCE_RECORD
     if existing.is_file():
         old = json.loads(existing.read_text())
         if all(old.get(k) == v for k, v in record.items()):
-            log.info("%s already holds %s %s%s", dest, pin["package"], pin["version"],
-                     f" ({subdir})" if subdir else "")
+            log.info("%s already holds %s %s%s", dest, pin["package"], pin["version"], f" ({subdir})" if subdir else "")
             return
         log.info("%s holds another source (%s); unpacking afresh", dest, old.get("version"))
     sdist = fetch_sdist(pin)
@@ -150,8 +141,14 @@ def _git_apply(tree: Path, patch: Path, *extra: str) -> subprocess.CompletedProc
     # Run from a subdirectory of a repository, `git apply` resolves paths from that
     # repository's root and silently skips the rest: stop discovery at the tree.
     env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(tree.parent))
-    return subprocess.run(["git", "apply", "--whitespace=nowarn", *extra, str(patch)],
-                          cwd=tree, capture_output=True, text=True, env=env)
+    return subprocess.run(
+        ["git", "apply", "--whitespace=nowarn", *extra, str(patch)],
+        check=False,
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
 
 
 def _touched_files(patch: Path) -> set[str]:
@@ -188,12 +185,16 @@ def _unapply_stale(tree: Path, done: dict[str, str], wanted: dict[str, str]) -> 
     for name in reversed(names[first_stale:]):
         copy = tree / APPLIED_DIR / name
         if not copy.is_file():
-            raise PatchToolError(f"{tree} records {name} as applied but keeps no copy of it; "
-                                 f"delete {tree} and build again to unpack a pristine tree.")
+            raise PatchToolError(
+                f"{tree} records {name} as applied but keeps no copy of it; "
+                f"delete {tree} and build again to unpack a pristine tree."
+            )
         res = _git_apply(tree, copy, "--reverse")
         if res.returncode != 0:
-            raise PatchToolError(f"could not roll back the old {name} in {tree}:\n{res.stderr.strip()}\n"
-                                 f"Delete {tree} and build again to unpack a pristine tree.")
+            raise PatchToolError(
+                f"could not roll back the old {name} in {tree}:\n{res.stderr.strip()}\n"
+                f"Delete {tree} and build again to unpack a pristine tree."
+            )
         copy.unlink()
         del done[name]
         log.info("rolled back the old %s", name)
@@ -229,7 +230,8 @@ def apply_series(tree: Path) -> list[str]:
             raise PatchToolError(
                 f"patch {patch.name} does not apply to {tree}:\n{check.stderr.strip()}\n"
                 "Is the tree the pinned upstream commit? Refresh the patch with "
-                "`python scripts/patchtool.py export --tree <your edited tree>`.")
+                "`python scripts/patchtool.py export --tree <your edited tree>`."
+            )
         shutil.copy(patch, tree / APPLIED_DIR / patch.name)
         done[patch.name] = wanted[patch.name]
         record_path.write_text(json.dumps(done, indent=2) + "\n")
@@ -238,25 +240,34 @@ def apply_series(tree: Path) -> list[str]:
 
 def export_series(tree: Path, out: Path, base: str = "upstream") -> list[Path]:
     """Write one patch per commit base..HEAD of a git working copy; the message is the header."""
-    revs = subprocess.run(["git", "rev-list", "--reverse", f"{base}..HEAD"], cwd=tree,
-                          capture_output=True, text=True, check=True).stdout.split()
+    revs = subprocess.run(
+        ["git", "rev-list", "--reverse", f"{base}..HEAD"], cwd=tree, capture_output=True, text=True, check=True
+    ).stdout.split()
     if not revs:
         raise PatchToolError(f"no commits after {base} in {tree}")
     pin = read_pin()
     written = []
     out.mkdir(parents=True, exist_ok=True)
     for rev in revs:
-        message = subprocess.run(["git", "log", "-1", "--format=%B", rev], cwd=tree,
-                                 capture_output=True, text=True, check=True).stdout.strip()
+        message = subprocess.run(
+            ["git", "log", "-1", "--format=%B", rev], cwd=tree, capture_output=True, text=True, check=True
+        ).stdout.strip()
         name = message.splitlines()[0].strip()
         if not name[:4].isdigit():
             raise PatchToolError(f"commit {rev[:10]}: first line must be NNNN-name, not {name!r}")
-        diff = subprocess.run(["git", "diff", "--no-color", "--no-renames", "--full-index", f"{rev}^", rev],
-                              cwd=tree, capture_output=True, text=True, check=True).stdout
+        diff = subprocess.run(
+            ["git", "diff", "--no-color", "--no-renames", "--full-index", f"{rev}^", rev],
+            cwd=tree,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         header = "\n".join(f"# {line}".rstrip() for line in message.splitlines())
-        body = (f"{header}\n#\n# Applies to: {pin['upstream_repo']} {pin['upstream_commit']} "
-                f"({pin['package']} {pin['version']} sdist), after the patches numbered below it.\n"
-                f"# Refresh with: python scripts/patchtool.py export --tree <tree>\n\n{diff}")
+        body = (
+            f"{header}\n#\n# Applies to: {pin['upstream_repo']} {pin['upstream_commit']} "
+            f"({pin['package']} {pin['version']} sdist), after the patches numbered below it.\n"
+            f"# Refresh with: python scripts/patchtool.py export --tree <tree>\n\n{diff}"
+        )
         target = out / f"{name}.patch"
         target.write_text(body)
         written.append(target)

@@ -51,7 +51,7 @@ def make_ffibuilder() -> cffi.FFI:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
-        print(__doc__, file=sys.stderr)
+        sys.stderr.write(f"{__doc__}\n")
         return 2
     make_ffibuilder().emit_c_code(argv[1])
     return 0

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import importlib.util
 import json
+import logging
 import os
 import re
 import shutil
@@ -32,22 +32,12 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import cuda_deps  # scripts/, on sys.path through pytest's pythonpath option (pyproject.toml)
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 ARCH = "90"
 
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"{name}_cuda_test", ROOT / "scripts" / f"{name}.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
-
-cuda_deps = _load("cuda_deps")
 
 NVCC = shutil.which("nvcc")
 CMAKE = shutil.which("cmake")
@@ -66,8 +56,10 @@ CMAKE_VERSION = _cmake_version()
 
 _NEEDS = [
     pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: no CUDA toolkit to configure against"),
-    pytest.mark.skipif(CMAKE_VERSION is None or CMAKE_VERSION < (3, 21),
-                       reason=f"cmake >= 3.21 is not on PATH (found: {CMAKE or 'no cmake'}, version {CMAKE_VERSION})"),
+    pytest.mark.skipif(
+        CMAKE_VERSION is None or CMAKE_VERSION < (3, 21),
+        reason=f"cmake >= 3.21 is not on PATH (found: {CMAKE or 'no cmake'}, version {CMAKE_VERSION})",
+    ),
 ]
 
 
@@ -109,21 +101,32 @@ def cuda_configure(tmp_path_factory: pytest.TempPathFactory) -> Configure:
     query = build / ".cmake" / "api" / "v1" / "query"
     query.mkdir(parents=True)
     (query / "codemodel-v2").touch()
-    cmd = [CMAKE, "-S", str(ROOT), "-B", str(build), "-G", "Ninja" if NINJA else "Unix Makefiles",
-           f"-DPython_EXECUTABLE={sys.executable}",
-           # a private tree from the cached pinned sdist: vendor/ is neither read nor patched
-           f"-DPOLYKV_VENDOR_DIR={tmp / 'llama.cpp'}", f"-DPOLYKV_UPSTREAM_SERVER_DIR={tmp / 'upstream-server'}",
-           "-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={ARCH}",
-           *(f"-D{k}={v}" for k, v in defines.items())]
+    cmd = [
+        CMAKE,
+        "-S",
+        str(ROOT),
+        "-B",
+        str(build),
+        "-G",
+        "Ninja" if NINJA else "Unix Makefiles",
+        f"-DPython_EXECUTABLE={sys.executable}",
+        # a private tree from the cached pinned sdist: vendor/ is neither read nor patched
+        f"-DPOLYKV_VENDOR_DIR={tmp / 'llama.cpp'}",
+        f"-DPOLYKV_UPSTREAM_SERVER_DIR={tmp / 'upstream-server'}",
+        "-DGGML_CUDA=ON",
+        f"-DCMAKE_CUDA_ARCHITECTURES={ARCH}",
+        *(f"-D{k}={v}" for k, v in defines.items()),
+    ]
     if no_vmm:
         cmd.append("-DGGML_CUDA_NO_VMM=ON")
     env = {k: v for k, v in os.environ.items() if k != "POLYKV_LLAMA_CPP_DIR"}
     start = time.monotonic()
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=600)
     seconds = time.monotonic() - start
-    print(f"\nCUDA configure: {seconds:.1f} s, rc {proc.returncode}: {' '.join(cmd)}")
-    result = Configure(cmd, proc.returncode, proc.stdout + proc.stderr, build, seconds, toolkit.version,
-                       defines, no_vmm)
+    logging.getLogger(__name__).info("CUDA configure: %.1f s, rc %d: %s", seconds, proc.returncode, " ".join(cmd))
+    result = Configure(
+        cmd, proc.returncode, proc.stdout + proc.stderr, build, seconds, toolkit.version, defines, no_vmm
+    )
     cache_file = build / "CMakeCache.txt"
     if cache_file.is_file():
         for line in cache_file.read_text().splitlines():
@@ -242,7 +245,11 @@ def test_extract_takes_only_cublas_and_headers(tmp_path: Path) -> None:
     dest = tmp_path / "out"
     cuda_deps.extract_cublas(wheel, dest)
     assert sorted(p.name for p in (dest / "lib").iterdir()) == [
-        "libcublas.so", "libcublas.so.13", "libcublasLt.so", "libcublasLt.so.13"]
+        "libcublas.so",
+        "libcublas.so.13",
+        "libcublasLt.so",
+        "libcublasLt.so.13",
+    ]
     assert (dest / "lib" / "libcublas.so").resolve() == (dest / "lib" / "libcublas.so.13").resolve()
     assert (dest / "include" / "cublas_v2.h").is_file()
     assert cuda_deps._stamp_ok(dest)

@@ -2,27 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
-import sys
 from pathlib import Path
 
+import patchtool  # scripts/, on sys.path through pytest's pythonpath option (pyproject.toml)
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load_patchtool():
-    spec = importlib.util.spec_from_file_location("patchtool", ROOT / "scripts" / "patchtool.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["patchtool"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-patchtool = _load_patchtool()
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +27,19 @@ def test_series_is_numbered_and_has_headers() -> None:
         head = text.split("diff --git", 1)[0]
         assert "What:" in head and "Why:" in head, f"{p.name} lacks a What:/Why: header"
         assert patchtool.read_pin()["upstream_commit"] in head, f"{p.name} does not name the upstream commit"
+
+
+def test_polykv_code_is_a_file_of_its_own_that_the_reference_server_does_not_build() -> None:
+    """0072 adds tools/server/server-polykv.{cpp,h} and lists them in the server's CMakeLists.txt; the
+    reference server compiles the pristine sources named in cmake/upstream_server.cmake only."""
+    text = (patchtool.PATCH_DIR / "0072-polykv.patch").read_text()
+    for name in ("server-polykv.cpp", "server-polykv.h"):
+        assert f"+++ b/tools/server/{name}\n" in text and f"--- /dev/null\n+++ b/tools/server/{name}" in text, name
+    cmakelists = text.split("+++ b/tools/server/CMakeLists.txt\n", 1)[1].split("diff --git", 1)[0]
+    assert "+    server-polykv.cpp" in cmakelists
+    reference = (patchtool.ROOT / "cmake" / "upstream_server.cmake").read_text().splitlines()
+    code = "".join(line.split("#", 1)[0] for line in reference)  # comments may name the file
+    assert "server-context.cpp" in code and "server-polykv" not in code
 
 
 def patchtool_touched_files() -> list[str]:
@@ -66,7 +64,11 @@ def test_series_applies_to_pristine_tree_and_is_idempotent(pristine_tree: Path, 
     for p in reversed(patchtool.patch_files()):
         res = patchtool._git_apply(undo, p, "--reverse")
         assert res.returncode == 0, f"{p.name}: {res.stderr}"
-    changed = [f for f in patchtool_touched_files() if (undo / f).read_bytes() != (pristine_tree / f).read_bytes()]
+
+    def content(tree: Path, rel: str) -> bytes | None:  # None: the file does not exist (a patch adds it)
+        return (tree / rel).read_bytes() if (tree / rel).exists() else None
+
+    changed = [f for f in patchtool_touched_files() if content(undo, f) != content(pristine_tree, f)]
     assert changed == []
 
 
@@ -90,7 +92,7 @@ def test_patch_that_does_not_apply_names_the_patch(pristine_tree: Path, tmp_path
         "@@ -1,3 +1,3 @@\n-this line is not in llama.h\n+neither is this\n context\n"
     )
     monkeypatch.setattr(patchtool, "PATCH_DIR", pdir)
-    with pytest.raises(patchtool.PatchToolError, match="0001-broken.patch does not apply"):
+    with pytest.raises(patchtool.PatchToolError, match=r"0001-broken\.patch does not apply"):
         patchtool.apply_series(tree)
     record = tree / patchtool.APPLIED_RECORD
     assert not record.exists() or json.loads(record.read_text()) == {}, "a failed patch must not be recorded"
@@ -137,7 +139,8 @@ def test_edited_patch_is_rolled_back_and_reapplied(pristine_tree: Path, tmp_path
         (pdir / "0001-marker.patch").write_text(
             f"# 0001-marker\n# What: {marker}\n# Why: test\n\n"
             f"diff --git a/{target} b/{target}\n--- a/{target}\n+++ b/{target}\n"
-            f"@@ -1,{n} +1,{n + 1} @@\n{body}+// {marker}\n")
+            f"@@ -1,{n} +1,{n + 1} @@\n{body}+// {marker}\n"
+        )
         assert lines
 
     monkeypatch.setattr(patchtool, "PATCH_DIR", pdir)

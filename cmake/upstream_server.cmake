@@ -2,7 +2,9 @@
 # (unpacked by patchtool into POLYKV_UPSTREAM_SERVER_DIR) against the same libllama,
 # libllama-common and ggml as the patched one.  Mirrors tools/server/CMakeLists.txt
 # of the pinned tree; the libraries are static here so nothing clashes with the
-# patched server's libllama-server-impl.
+# patched server's libllama-server-impl.  The source list is explicit on purpose: files that
+# the patch series adds to tools/server/ (server-polykv.cpp, .h) are not in the pristine copy
+# and must not be compiled into the reference.
 set(_up "${POLYKV_UPSTREAM_SERVER_DIR}")
 
 add_library(polykv-upstream-server-context STATIC

@@ -685,18 +685,12 @@ def run_from_args(args: argparse.Namespace) -> int:
         logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stdout)
     log.setLevel(logging.WARNING if args.quiet else logging.INFO)
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    same_name = ("model", "patched_bin", "upstream_bin", "threads", "ctx", "n_predict", "base_tokens", "log_dir")
     cfg = GateConfig(
-        model=args.model,
-        patched_bin=args.patched_bin,
-        upstream_bin=args.upstream_bin,
+        **{name: getattr(args, name) for name in same_name},
         share_server=ServerKind.of(args.share_server),
         checks=tuple(c for c in args.checks.split(",") if c),
-        threads=args.threads,
-        ctx=args.ctx,
-        n_predict=args.n_predict,
-        base_tokens=args.base_tokens,
         n_sharers=args.sharers,
-        log_dir=args.log_dir,
         fresh_info=not args.skip_fresh_info,
     )
     try:

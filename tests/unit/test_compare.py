@@ -7,9 +7,10 @@ import math
 import pytest
 
 from polykv_py.harness.compare import (
-    MAX_DRIFT,
-    MEASURED_DRIFT,
-    TIE_MARGIN,
+    EXACT,
+    LAYOUT,
+    MEASURED_LAYOUT_DRIFT,
+    Margins,
     Step,
     compare_greedy,
     compare_steps,
@@ -23,8 +24,15 @@ def run(*tokens: tuple[int, float], alt: dict[int, float] | None = None) -> list
 
 
 def test_margins_come_from_the_measured_noise() -> None:
-    assert MEASURED_DRIFT < MAX_DRIFT <= 3 * MEASURED_DRIFT
-    assert TIE_MARGIN == 2 * MAX_DRIFT
+    assert MEASURED_LAYOUT_DRIFT < LAYOUT.drift <= 2 * MEASURED_LAYOUT_DRIFT
+    assert LAYOUT.tie == 2 * LAYOUT.drift
+    assert Margins(0.0, 0.0) == EXACT
+
+
+def test_exact_margins_refuse_any_drift() -> None:
+    a = run((1, -0.1), (2, -0.5))
+    assert compare_steps(a, list(a), margins=EXACT).verdict == "identical"
+    assert compare_steps(a, run((1, -0.1), (2, -0.5001)), margins=EXACT).verdict == "different"
 
 
 def test_identical_runs() -> None:
@@ -40,18 +48,18 @@ def test_drift_within_the_noise_is_identical() -> None:
 
 def test_drift_over_the_margin_is_different_and_every_token_is_counted() -> None:
     a = run((1, -0.1), (2, -0.5), (3, -0.2), (4, -0.3))
-    b = run((1, -0.2), (2, -0.5), (3, -0.4), (4, -0.3))  # tokens 0 and 2 drift by 0.1 and 0.2
+    b = run((1, -0.4), (2, -0.5), (3, -0.6), (4, -0.3))  # tokens 0 and 2 drift by 0.3 and 0.4
     cmp = compare_steps(a, b)
     assert cmp.verdict == "different"
-    assert cmp.n_over_margin == 2 and math.isclose(cmp.max_drift, 0.2)
+    assert cmp.n_over_margin == 2 and math.isclose(cmp.max_drift, 0.4)
     assert "first at 0" in cmp.detail
 
 
 def test_the_old_margin_would_have_let_a_wrong_share_pass() -> None:
-    # 0.4 nat on every token: what a one-token-off base typically does; the old comparator allowed 1.0
+    # 0.6 nat on every token (another context); the old comparator allowed 1.0
     a = run((1, -0.1), (2, -0.5))
-    b = run((1, -0.5), (2, -0.9))
-    assert compare_steps(a, b, max_drift=1.0, tie_margin=0.5).verdict == "identical"
+    b = run((1, -0.7), (2, -1.1))
+    assert compare_steps(a, b, margins=Margins(1.0, 0.5)).verdict == "identical"
     assert compare_steps(a, b).verdict == "different"
 
 
@@ -60,12 +68,13 @@ def test_a_flip_at_a_near_tie_is_tolerated() -> None:
     b = [Step(1, -0.1, {1: -0.1}), Step(6, -0.71, {6: -0.71, 5: -0.73})]
     cmp = compare_steps(a, b)
     assert (cmp.verdict, cmp.diverged_at) == ("near_tie", 1)
-    assert cmp.tie_gap is not None and cmp.tie_gap <= TIE_MARGIN
+    assert cmp.tie_gap is not None and cmp.tie_gap <= LAYOUT.tie
 
 
 def test_a_confident_flip_is_different() -> None:
     a = [Step(5, -0.2, {5: -0.2, 6: -2.0})]
     b = [Step(6, -0.3, {6: -0.3, 5: -1.5})]
+    assert compare_steps(a, b, margins=EXACT).verdict == "different"
     assert compare_steps(a, b).verdict == "different"
 
 
@@ -78,7 +87,7 @@ def test_a_flip_to_a_token_the_other_run_did_not_rank_is_different() -> None:
 
 def test_a_tie_after_drift_over_the_margin_is_different() -> None:
     a = [Step(1, -0.1, {1: -0.1}), Step(5, -0.70, {5: -0.70, 6: -0.71})]
-    b = [Step(1, -0.4, {1: -0.4}), Step(6, -0.70, {6: -0.70, 5: -0.71})]
+    b = [Step(1, -0.5, {1: -0.5}), Step(6, -0.70, {6: -0.70, 5: -0.71})]
     cmp = compare_steps(a, b)
     assert cmp.verdict == "different" and "drifted" in cmp.detail
 

@@ -708,3 +708,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         f"gate {'PASSED' if report['ok'] else 'FAILED'}" + (f"; report: {args.report}" if args.report else "") + "\n"
     )
     return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

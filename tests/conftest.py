@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -28,31 +28,30 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault(SESSION_MARKER, uuid.uuid4().hex)
 
 
+def _required(get: Callable[[], Path]) -> Path:
+    """``get()``; a missing binary or model fails the test with the reason (nothing is skipped)."""
+    try:
+        return get()
+    except (BuildError, ModelError) as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
 @pytest.fixture(scope="session")
 def model_path() -> Path:
     """The default GGUF (fetched and verified on first use)."""
-    try:
-        return resolve_model(None)
-    except ModelError as exc:
-        pytest.fail(str(exc), pytrace=False)
+    return _required(lambda: resolve_model(None))
 
 
 @pytest.fixture(scope="session")
 def patched_server_bin() -> Path:
     """The patched llama-server."""
-    try:
-        return server_binary("patched")
-    except BuildError as exc:
-        pytest.fail(str(exc), pytrace=False)
+    return _required(lambda: server_binary("patched"))
 
 
 @pytest.fixture(scope="session")
 def upstream_server_bin() -> Path:
     """The reference (pristine) llama-server."""
-    try:
-        return server_binary("upstream")
-    except BuildError as exc:
-        pytest.fail(str(exc), pytrace=False)
+    return _required(lambda: server_binary("upstream"))
 
 
 def session_servers() -> list[psutil.Process]:

@@ -22,7 +22,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from polykv_py.harness.bench_report import cpu_model
-from polykv_py.harness.compare import MAX_DRIFT, TIE_MARGIN
+from polykv_py.harness.compare import LAYOUT
 from polykv_py.harness.loadtest import LoadConfig, LoadReport, run_load
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,7 +93,7 @@ def markdown(doc: dict) -> str:
     lines += [
         "",
         "near-tie: the answer left the serial reference's path at a token whose two best candidates were "
-        f"within {TIE_MARGIN} log-prob in both runs, after a prefix that agreed within {MAX_DRIFT} "
+        f"within {LAYOUT.tie} log-prob in both runs, after a prefix that agreed within {LAYOUT.drift} "
         "(src/polykv_py/harness/compare.py: concurrent requests sit in other KV cells and CPU attention rounds "
         "by cell order).",
         "",

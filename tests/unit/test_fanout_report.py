@@ -86,16 +86,16 @@ def test_bench_markdown_headline(tmp_path: Path) -> None:
             "suffix": 64,
             "gen": 32,
             "rounds": 2,
-            "systems": ["reference", "reference_best", "reference_matched", "patched"],
+            "systems": ["stock", "stock_kvu", "stock_queued", "patched"],
             "quick": True,
         },
         "machine": {"cpu": "test cpu", "logical_cpus": 2, "threads_per_server": 2, "load_avg_start": [1, 1, 1]},
         "model": "/x/SmolLM2.gguf",
         "cells": [
-            {"system": "reference", "n": 8, "p": 2048, "rounds": [_round(60.0, 16896, 17000), _round(30.0, 8, 17000)]},
-            {"system": "reference_best", "n": 8, "p": 2048, "rounds": [_round(55.0, 15000, 17000), _round(3.0, 8, 1)]},
+            {"system": "stock", "n": 8, "p": 2048, "rounds": [_round(60.0, 16896, 17000), _round(30.0, 8, 17000)]},
+            {"system": "stock_kvu", "n": 8, "p": 2048, "rounds": [_round(70.0, 16896, 17000), _round(3.0, 8, 1)]},
             {
-                "system": "reference_matched",
+                "system": "stock_queued",
                 "n": 8,
                 "p": 2048,
                 "ctx": 3072,
@@ -110,21 +110,26 @@ def test_bench_markdown_headline(tmp_path: Path) -> None:
                 "ctx": 16384,
                 "p": 4096,
                 "predicted": 128,
-                "candidates": [100],
-                "largest_fitting": 100,
-                "smallest_failing": None,
-                "steps": [{"n": 100, "fits": True, "kv_cells_peak": 13700, "kv_evictions": 0}],
+                "candidates": [128, 129],
+                "largest_fitting": 128,
+                "smallest_failing": 129,
+                "steps": [
+                    {"n": 128, "fits": True, "kv_cells_peak": 16254, "kv_evictions": 0},
+                    {"n": 129, "fits": False, "kv_cells_peak": 16384, "kv_evictions": 3},
+                ],
             }
         ],
         "notes": ["engine skipped"],
     }
     md = bench_report.markdown(doc)
-    assert "6.00x faster" in md and "30.00x" in md
-    assert "same KV budget (-c 3,072, 1 slot(s), agents queued): 2.50x faster" in md
-    assert "vs the reference held to the same KV budget's round 2: 7.00x; prompt tokens 600 vs 8" in md
-    assert "| 2,048 | 8 | reference, same KV budget" in md
+    # round 1: the fastest stock system is the queued one (25 s); round 2: stock_kvu (3 s)
+    assert "round 1 (priming included): 2.50x faster than the best stock system in this cell" in md
+    assert "round 2 (a new question each): 3.00x faster than the best stock system" in md
+    assert "vs stock, its defaults (KV streams): wall 6.00x" in md
+    assert "best stock: stock_queued" in md
+    assert "| 2,048 | 8 | stock at the sharing KV budget, agents queued |" in md
     assert "target P+N*S = 2,560" in md
-    assert "largest N that fit = 100" in md
+    assert "largest N that fit = 128, smallest that failed = 129" in md
     assert "engine skipped" in md
     png = bench_report.plot(doc, tmp_path / "x.png")
     assert png is None or png.exists()

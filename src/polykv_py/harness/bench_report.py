@@ -8,18 +8,13 @@ from pathlib import Path
 from typing import Any
 
 from .report import fmt, ratio, table
+from .systems import STOCK, SYSTEMS, best_stock
 
 log = logging.getLogger(__name__)
 
 Json = dict[str, Any]
 
-LABELS = {
-    "reference": "reference (no sharing)",
-    "reference_best": "reference + host cache/similarity",
-    "reference_matched": "reference, same KV budget",
-    "patched": "patched (pool sharing)",
-    "engine": "in-process engine",
-}
+LABELS = {**{name: spec.label for name, spec in SYSTEMS.items()}, "engine": "in-process engine"}
 
 
 def cpu_model() -> str:
@@ -47,19 +42,23 @@ def _targets(cfg: Json, n: int, p_actual: int) -> tuple[int, int]:
     return p_actual + n * s, p_actual + n * (s + g)
 
 
+def _best_stock(idx: dict[tuple[str, int, int], Json], n: int, p: int, r: int) -> tuple[str, float] | None:
+    walls: dict[str, float | None] = {}
+    for name in STOCK:
+        cell = idx.get((name, n, p))
+        rd = _round(cell, r) if cell else None
+        walls[name] = rd["wall_s"] if rd else None
+    return best_stock(walls)
+
+
 def round_table(doc: Json, r: int) -> str:
-    """One row per (P, N, system) for round ``r``."""
+    """One row per (P, N, system) for round ``r``; 'x vs best stock' = the fastest stock wall time / this one."""
     idx = _index(doc)
     cfg = doc["config"]
-    rows = []
+    rows: list[list[Any]] = []
     for p in sorted(cfg["ps"]):
         for n in sorted(cfg["ns"]):
-            ref = idx.get(("reference", n, p))
-            best = idx.get(("reference_best", n, p))
-            same = idx.get(("reference_matched", n, p))
-            ref_r = _round(ref, r) if ref else None
-            best_r = _round(best, r) if best else None
-            same_r = _round(same, r) if same else None
+            best = _best_stock(idx, n, p, r)
             for system in cfg["systems"]:
                 cell = idx.get((system, n, p))
                 if cell is None:
@@ -67,27 +66,16 @@ def round_table(doc: Json, r: int) -> str:
                 rd = _round(cell, r)
                 if rd is None:
                     rows.append(
-                        [
-                            p,
-                            n,
-                            LABELS.get(system, system),
-                            None,
-                            None,
-                            None,
-                            None,
-                            None,
-                            None,
-                            None,
-                            None,
-                            f"error: {str(cell.get('error', ''))[:60]}",
-                        ]
+                        [p, n, LABELS.get(system, system), *[None] * 7, f"error: {str(cell.get('error', ''))[:60]}"]
                     )
                     continue
-                tok_target, kv_bound = _targets(cfg, n, rd.get("prefix_tokens") or p)
                 note = ", ".join(f"{k} {v}" for k, v in sorted((rd.get("statuses") or {}).items()))
                 if system == "patched" and r == 0:
+                    tok_target, kv_bound = _targets(cfg, n, rd.get("prefix_tokens") or p)
                     note += f"; target tokens {tok_target:,}, KV bound {kv_bound:,}+c"
-                if system == "reference_matched" and r == 0:
+                if best and system == "patched":
+                    note += f"; best stock: {best[0]}"
+                if system in SYSTEMS and SYSTEMS[system].budget == "shared" and r == 0:
                     note += f"; -c {cell.get('ctx', 0):,}, {cell.get('slots')} slot(s)"
                 if rd.get("n_errors"):
                     note += f"; {rd['n_errors']} errors"
@@ -97,10 +85,9 @@ def round_table(doc: Json, r: int) -> str:
                         n,
                         LABELS.get(system, system),
                         rd["wall_s"],
-                        ratio(ref_r["wall_s"], rd["wall_s"]) if ref_r else None,
-                        ratio(best_r["wall_s"], rd["wall_s"]) if best_r else None,
-                        ratio(same_r["wall_s"], rd["wall_s"]) if same_r else None,
+                        ratio(best[1], rd["wall_s"]) if best else None,
                         rd.get("ttft_mean_s"),
+                        rd.get("ttft_max_s"),
                         rd.get("prompt_tokens_processed"),
                         rd.get("kv_cells_peak"),
                         rd.get("rss_peak_mib"),
@@ -112,10 +99,9 @@ def round_table(doc: Json, r: int) -> str:
         "N",
         "system",
         "wall s",
-        "x vs ref",
-        "x vs ref best",
-        "x vs same KV",
+        "x vs best stock",
         "TTFT mean s",
+        "TTFT max s",
         "prompt tok",
         "KV peak",
         "RSS MiB",
@@ -155,60 +141,44 @@ def capacity_table(doc: Json) -> str:
 
 
 def headline(doc: Json) -> list[str]:
-    """The targets of the issue, checked against what was measured."""
+    """What sharing buys in the target cell (N=8, P about 2,048) against each stock system, and capacity."""
     idx = _index(doc)
     cfg = doc["config"]
     lines = []
     n_t = 8 if 8 in cfg["ns"] else max(cfg["ns"])
     p_t = min(cfg["ps"], key=lambda x: abs(x - 2048))
-    pat, ref, best, same = (
-        idx.get((s, n_t, p_t)) for s in ("patched", "reference", "reference_best", "reference_matched")
-    )
-    if pat and _round(pat, 0):
-        pr = _round(pat, 0)
-        assert pr is not None
+    pat = idx.get(("patched", n_t, p_t))
+    pr = _round(pat, 0) if pat else None
+    if pr:
         tok_target, kv_bound = _targets(cfg, n_t, pr.get("prefix_tokens") or p_t)
         lines.append(
             f"- N={n_t}, P={p_t}: patched prompt tokens processed {fmt(pr['prompt_tokens_processed'])} "
             f"(target P+N*S = {tok_target:,}); peak KV cells {fmt(pr.get('kv_cells_peak'))} "
             f"(bound P+N*(S+G) = {kv_bound:,} + small constant)"
         )
-        for other, name, want in ((ref, "reference", 6), (best, "reference with its best built-in option", 6)):
-            orr = _round(other, 0) if other else None
-            if orr:
-                x = ratio(orr["wall_s"], pr["wall_s"])
+        for r, label in ((0, "round 1 (priming included)"), (1, "round 2 (a new question each)")):
+            pr_r = _round(pat, r) if pat else None
+            best = _best_stock(idx, n_t, p_t, r)
+            if pr_r and best:
                 lines.append(
-                    f"- round 1 (priming included) vs {name}: {fmt(x)}x faster (target >= {want}x); "
-                    f"{fmt(ratio(orr['prompt_tokens_processed'], pr['prompt_tokens_processed']))}x fewer prompt "
-                    f"tokens computed, {fmt(ratio(orr.get('kv_cells_peak'), pr.get('kv_cells_peak')))}x fewer "
-                    "peak KV cells (load-independent)"
+                    f"- {label}: {fmt(ratio(best[1], pr_r['wall_s']))}x faster than the best stock "
+                    f"system in this cell ({LABELS[best[0]]}, {best[1]:.1f} s vs {pr_r['wall_s']:.1f} s)"
                 )
-        sr = _round(same, 0) if same else None
-        if same and sr:
-            lines.append(
-                f"- round 1 vs the reference held to the same KV budget (-c {same.get('ctx', 0):,}, "
-                f"{same.get('slots')} slot(s), agents queued): {fmt(ratio(sr['wall_s'], pr['wall_s']))}x faster, "
-                f"mean TTFT {fmt(sr.get('ttft_mean_s'))} s vs {fmt(pr.get('ttft_mean_s'))} s (no target)"
-            )
-        pr2 = _round(pat, 1)
-        for other, name in (
-            (ref, "reference"),
-            (best, "reference with its best built-in option"),
-            (same, "reference held to the same KV budget"),
-        ):
-            or2 = _round(other, 1) if other else None
-            if pr2 and or2:
+        for name in STOCK:
+            cell = idx.get((name, n_t, p_t))
+            sr = _round(cell, 0) if cell else None
+            if sr:
                 lines.append(
-                    f"- round 2 (a new question per agent) vs the {name}'s round 2: "
-                    f"{fmt(ratio(or2['wall_s'], pr2['wall_s']))}x; prompt tokens "
-                    f"{fmt(or2['prompt_tokens_processed'])} vs {fmt(pr2['prompt_tokens_processed'])} "
-                    "(target >= 15x)"
+                    f"  - vs {LABELS[name]}: wall {fmt(ratio(sr['wall_s'], pr['wall_s']))}x, mean TTFT "
+                    f"{fmt(ratio(sr.get('ttft_mean_s'), pr.get('ttft_mean_s')))}x, prompt tokens computed "
+                    f"{fmt(ratio(sr['prompt_tokens_processed'], pr['prompt_tokens_processed']))}x, peak KV cells "
+                    f"{fmt(ratio(sr.get('kv_cells_peak'), pr.get('kv_cells_peak')))}x"
                 )
     for c in doc.get("capacity", []):
         lines.append(
             f"- capacity at -c {c['ctx']}, P={c['p']}: {LABELS.get(c['system'], c['system'])} "
-            f"largest N that fit = {fmt(c.get('largest_fitting'))} (tried {c.get('candidates')}, "
-            f"predicted {c.get('predicted')}; targets: patched >= 100, reference about 3)"
+            f"largest N that fit = {fmt(c.get('largest_fitting'))}, smallest that failed = "
+            f"{fmt(c.get('smallest_failing'))} (tried {c.get('candidates')}, predicted {c.get('predicted')})"
         )
     return lines
 
@@ -235,16 +205,19 @@ def markdown(doc: Json) -> str:
             f"suffixes, {cfg.get('gen')} generated tokens (greedy, ignore_eos), {cfg.get('rounds')} rounds{quick}."
         ),
         (
-            "Servers: `-kvu -np N+1 -c (N+1)*(P+S+G+16)`, one fresh server per cell; reference = pristine server with "
-            "the patched server's flags (`--no-clear-idle --cache-ram 0`); reference best = `--cache-ram 8192 "
-            "--cache-idle-slots --slot-prompt-similarity 0.1` and the base sent once first; patched = pool slot "
-            "primed, agents share it; reference same KV budget = pristine server at `-c` = the sharing bound "
-            "P+N*(S+G+16)+64 (rounded up to 256) with as many slots as whole prompts fit, agents queued that many at "
-            "a time. Round 2 asks every agent a new question (same base, new suffix)."
+            "Servers, one fresh server per cell: "
+            + "; ".join(
+                f"`{name}` = {spec.label} (`{' '.join(spec.flags) or 'no extra flags'}`)"
+                for name, spec in SYSTEMS.items()
+            )
+            + ". Budgets: N copies = `-np N+1 -c (N+1)*(P+S+G+16)`; the sharing budget = `-c` P+N*(S+G+16)+64 "
+            "(rounded up to 256), with as many stock slots as whole prompts fit (agents queued). Round 2 asks every "
+            "agent a new question (same base, new suffix)."
         ),
         (
             f"KV cells: {doc.get('kv_cells_method', '-')}. Wall time and TTFT are measured from the start of the "
-            "fan-out, priming included. 'x vs ref' = reference wall time / this wall time."
+            "fan-out, priming included. 'x vs best stock' = the fastest stock system's wall time in that cell / "
+            "this one."
         ),
         "",
     ]
@@ -264,47 +237,57 @@ def markdown(doc: Json) -> str:
 
 
 def plot(doc: Json, path: Path) -> Path | None:
-    """Wall time and peak KV cells against N, per system and P. None when matplotlib is missing."""
+    """Three panels against N: patched's speed-up over the best stock system, round-1 wall time per
+    system, and peak KV cells per system (log scales). None when matplotlib is missing."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.lines import Line2D
     except ImportError:
         return None
     cfg = doc["config"]
     idx = _index(doc)
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
-    panels: list[tuple[Any, str, int, str]] = [
-        (axes[0], "wall_s", 0, "round 1 wall time (s)"),
-        (axes[1], "wall_s", 1, "round 2 wall time (s)"),
-        (axes[2], "kv_cells_peak", 0, "peak KV cells"),
-    ]
+    ns = sorted(cfg["ns"])
     styles = ["-", "--", ":"]
-    for ax, key, r, title in panels:
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    for pi, p in enumerate(sorted(cfg["ps"])):
+        xs, ys = [], []
+        for n in ns:
+            pat = idx.get(("patched", n, p))
+            pr, best = (_round(pat, 0) if pat else None), _best_stock(idx, n, p, 0)
+            if pr and best:
+                xs.append(n)
+                ys.append(best[1] / pr["wall_s"])
+        if xs:
+            axes[0].plot(xs, ys, styles[pi % 3], marker="o", color="C3")
+    axes[0].axhline(1.0, color="grey", lw=0.8)
+    axes[0].set_title("patched speed-up over the best stock system (round 1)")
+    for ax, key, title in ((axes[1], "wall_s", "round 1 wall time (s)"), (axes[2], "kv_cells_peak", "peak KV cells")):
         for si, system in enumerate(cfg["systems"]):
-            for pi, p in enumerate(cfg["ps"]):
-                xs, ys = [], []
-                for n in sorted(cfg["ns"]):
-                    cell = idx.get((system, n, p))
-                    rd = _round(cell, r) if cell else None
-                    if rd and rd.get(key) is not None:
-                        xs.append(n)
-                        ys.append(rd[key])
-                if xs:
-                    ax.plot(
-                        xs,
-                        ys,
-                        styles[pi % len(styles)],
-                        marker="o",
-                        color=f"C{si}",
-                        label=f"{LABELS.get(system, system)}, P={p}",
-                    )
+            for pi, p in enumerate(sorted(cfg["ps"])):
+                pts = [
+                    (n, rd[key])
+                    for n in ns
+                    if (c := idx.get((system, n, p))) and (rd := _round(c, 0)) and rd.get(key) is not None
+                ]
+                if pts:
+                    ax.plot(*zip(*pts, strict=True), styles[pi % 3], marker="o", color=f"C{si}")
+        ax.set_yscale("log")
+        ax.set_title(title)
+    for ax in axes:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("agents N")
-        ax.set_title(title)
         ax.grid(True, alpha=0.3)
-    axes[0].legend(fontsize=7)
+    systems = [
+        Line2D([], [], color=f"C{si}", marker="o", label=LABELS.get(s, s)) for si, s in enumerate(cfg["systems"])
+    ]
+    ps = [
+        Line2D([], [], color="black", ls=styles[pi % 3], label=f"P = {p:,}") for pi, p in enumerate(sorted(cfg["ps"]))
+    ]
+    axes[1].legend(handles=systems, fontsize=7)
+    axes[0].legend(handles=ps, fontsize=8)
     m = doc.get("machine", {})
     fig.suptitle(
         f"polykv fan-out, {Path(str(doc.get('model', ''))).name}, {m.get('cpu', '')} "

@@ -2,19 +2,11 @@
 
 For every N (agents) and P (base context tokens) it runs the same fan-out (S-token
 suffixes, G generated tokens, greedy, ``ignore_eos``) on each system, each on a fresh
-server with the same flags (``-kvu -np N+1 -c C``, debug KV logging for the cell count):
-
-- ``reference``: the pristine llama-server, same flags as the patched one
-  (``--no-clear-idle --cache-ram 0``), no priming, plain requests (a slot still reuses
-  its own cached prompt);
-- ``reference_best``: the pristine server with its built-in reuse switched on
-  (host prompt cache ``--cache-ram``, idle-slot caching, slot prompt similarity) and
-  the base sent once before the agents, so they can reuse it;
-- ``reference_matched``: the pristine server given only the KV budget the patched server
-  needs (``P + N*(S+G)`` plus a margin): it fits ``k`` whole prompts, so it gets ``k``
-  slots and the agents queue ``k`` at a time (what the same memory buys today);
-- ``patched``: the patched server, pool slot primed, agents share the prefix;
-- ``engine``: the in-process engine (:mod:`polykv_py.engine`), in a child process.
+server (``-np``/``-c`` from the system's KV budget, debug KV logging for the cell count).
+The systems are :mod:`polykv_py.harness.systems`' (the stock server in each of its useful
+modes, polykv shared and copied), plus ``engine``, the in-process engine
+(:mod:`polykv_py.engine`) in a child process. Reports name the fastest stock system per
+cell ("best stock").
 
 Round 2 (and later) asks the same N agents a new question each (same base, a different
 S-token suffix) on the same server/engine, as agents working in rounds do. A capacity probe
@@ -45,21 +37,21 @@ from ..client import AsyncClient
 from ..data import sample_document
 from ..errors import PolykvError
 from ..fanout import Agent, BaseContext, SharedContext
-from ..native import ServerKind
-from ..presets import UNIFIED_KV, custom_server, pool_server, reference_server, slot_actions_args, slots_args
 from ..results import FanoutResult
 from ..server import LlamaServer
 from .bench_report import cpu_model
 from .kvcells import KV_METHOD, KVCellsLog
+from .systems import SYSTEMS as SERVER_SYSTEMS
+from .systems import start_system_server
 from .texts import Detokenize, Tokenize, cut_to_tokens, repeat_to_tokens
 
 log = logging.getLogger(__name__)
 
 Json = dict[str, Any]
 
-SYSTEMS = ("reference", "reference_best", "reference_matched", "patched", "engine")
-#: The reference server's own reuse switched on (host prompt cache, idle-slot caching, slot prompt similarity).
-REFERENCE_BEST_FLAGS = ("--cache-ram", "8192", "--cache-idle-slots", "--slot-prompt-similarity", "0.1")
+SYSTEMS = (*SERVER_SYSTEMS, "engine")
+#: The capacity probe's systems: polykv, and the stock server whose KV holds the most whole prompts at a fixed -c.
+CAPACITY_SYSTEMS = ("patched", "stock_kvu")
 FILLER = (
     "Agents review the design of a telemetry pipeline: gateways, a replicated log, a live view and a history "
     "store, with the failure modes, the costs and the rollout plan each of them brings along. "
@@ -175,22 +167,20 @@ def _metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict[st
 
 
 # --------------------------------------------------------------------------- server cells
-def start_server(system: str, n_slots: int, ctx: int, cfg: BenchConfig, extra: Sequence[str] = ()) -> LlamaServer:
-    """A started server for ``system`` with ``n_slots`` slots and ``ctx`` KV cells, logging its KV cells in use.
+def start_server(system: str, n_slots: int, ctx: int, cfg: BenchConfig) -> LlamaServer:
+    """A started server for ``system`` with ``n_slots`` slots and ``ctx`` KV cells, logging its KV cells in use."""
+    return start_system_server(
+        SERVER_SYSTEMS[system], n_slots, ctx, model=cfg.model, threads=cfg.threads, name=f"bench-{system}"
+    )
 
-    ``patched`` is the pool server's recipe with no slot reserved (the grid was measured so);
-    ``reference`` and ``reference_matched`` the reference server's recipe (the same flags in
-    upstream's names); ``reference_best`` unified KV with upstream's own reuse switched on.
-    """
-    common: dict[str, Any] = {"model": cfg.model, "threads": cfg.threads, "track_kv": True, "name": f"bench-{system}"}
-    if system == "patched":
-        server = pool_server(n_agents_parallel=n_slots - 1, ctx=ctx, pool_slot=None, extra_args=extra, **common)
-    elif system == "reference_best":
-        args = [UNIFIED_KV, *slots_args(n_slots, ctx), "--slots", *slot_actions_args(), *REFERENCE_BEST_FLAGS]
-        server = custom_server(ServerKind.UPSTREAM, args, extra_args=extra, **common)
-    else:
-        server = reference_server(n_slots=n_slots, ctx=ctx, extra_args=extra, **common)
-    return server.start()
+
+def cell_budget(system: str, n: int, p: int, s: int, g: int) -> tuple[int, int, int]:
+    """(KV cells, slots, agents in flight) of one cell: N private copies, or the sharing budget."""
+    spec = SERVER_SYSTEMS[system]
+    if spec.budget == "copies":
+        return ctx_for(n, p, s, g), n + 1, n
+    cells, slots = matched_budget(n, p, s, g)
+    return (cells, n + 1, n) if spec.share else (cells, slots, slots)
 
 
 def make_inputs(server: LlamaServer, p: int, n: int, s: int, rounds: int = 1) -> tuple[str, list[list[str]]]:
@@ -218,27 +208,23 @@ async def _fanout_round(
 
 def run_server_cell(system: str, n: int, p: int, cfg: BenchConfig) -> Json:
     """Every round of one (system, N, P) on a fresh server."""
-    if system == "reference_matched":
-        ctx_cells, slots = matched_budget(n, p, cfg.suffix, cfg.gen)
-        concurrency = slots
-    else:
-        ctx_cells, slots, concurrency = ctx_for(n, p, cfg.suffix, cfg.gen), n + 1, n
+    spec = SERVER_SYSTEMS[system]
+    ctx_cells, slots, concurrency = cell_budget(system, n, p, cfg.suffix, cfg.gen)
     server = start_server(system, slots, ctx_cells, cfg)
     try:
         base, suffixes = make_inputs(server, p, n, cfg.suffix, cfg.rounds)
         params = {"n_predict": cfg.gen, "ignore_eos": True, "temperature": 0.0}
-        share = system == "patched"
 
         async def go() -> list[Json]:
             async with AsyncClient(server.url, server=server, timeout=cfg.cell_timeout) as client:
-                sc = SharedContext(client, BaseContext.from_text(base), share=share, concurrency=concurrency)
+                sc = SharedContext(client, BaseContext.from_text(base), share=spec.share, concurrency=concurrency)
                 kv = KVCellsLog(server.log_path)
                 rounds = []
                 for r in range(cfg.rounds):
                     agents = [
                         Agent(sfx, name=f"a{i}", mode="completion", params=params) for i, sfx in enumerate(suffixes[r])
                     ]
-                    prime = (r == 0) and system in ("patched", "reference_best")
+                    prime = r == 0 and spec.prime
                     rounds.append(await _fanout_round(sc, agents, kv, server, prime))
                 return rounds
 
@@ -340,16 +326,15 @@ def capacity_probe(system: str, cfg: BenchConfig, deadline: float) -> Json:
 
     One server with a slot per agent (plus one); each step empties the agent slots, runs
     N agents at once and checks: no error, every agent generated G tokens, no eviction
-    or full-KV line in the log, and (patched) every share a hit.
+    or full-KV line in the log, and (patched) every share a hit. It tries the predicted
+    maximum and one agent more, so a report says what happens past the prediction.
     """
     c_cells, p = cfg.capacity_ctx, cfg.capacity_p
-    share = system == "patched"
+    share = SERVER_SYSTEMS[system].share
     per_agent = p + cfg.suffix + cfg.gen
     predicted = (c_cells - p) // (cfg.suffix + cfg.gen) if share else c_cells // per_agent
     predicted = max(1, min(predicted, cfg.capacity_max))
-    candidates = list(
-        cfg.capacity_n.get(system) or ([predicted, predicted + 1] if predicted < cfg.capacity_max else [predicted])
-    )
+    candidates = list(cfg.capacity_n.get(system) or [predicted, predicted + 1])
     slots = max(candidates) + 1
     steps: list[Json] = []
     out: dict[str, Any] = {
@@ -517,7 +502,7 @@ class Bench:
 
     def _capacity(self) -> None:
         cfg = self.cfg
-        for system in [s for s in ("patched", "reference") if s in cfg.systems]:
+        for system in [s for s in CAPACITY_SYSTEMS if s in cfg.systems]:
             self.say(f"capacity probe {system}: -c {cfg.capacity_ctx}, P={cfg.capacity_p} ...")
             res = capacity_probe(system, cfg, time.monotonic() + cfg.capacity_timeout)
             self.capacity.append(res)
@@ -533,7 +518,7 @@ class Bench:
         if old.is_file():
             prev = json.loads(old.read_text())
             self.cells, self.notes = prev.get("cells", []), prev.get("notes", [])
-            rerun = {s for s in ("patched", "reference") if s in self.cfg.systems}
+            rerun = {s for s in CAPACITY_SYSTEMS if s in self.cfg.systems}
             self.capacity = [c for c in prev.get("capacity", []) if c.get("system") not in rerun]
             for key in ("config", "machine", "started"):
                 if key in prev:
@@ -580,7 +565,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--capacity-timeout", type=float, help="seconds per system for the capacity probe")
     ap.add_argument("--capacity-max", type=int, default=128, help="largest N the capacity probe tries (default 128)")
     ap.add_argument("--capacity-patched", type=int, nargs="+", help="N the capacity probe tries on the patched server")
-    ap.add_argument("--capacity-reference", type=int, nargs="+", help="N the capacity probe tries on the reference")
+    ap.add_argument("--capacity-stock", type=int, nargs="+", help="N the capacity probe tries on the stock server")
     ap.add_argument(
         "--capacity-only",
         action="store_true",
@@ -605,7 +590,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     )
     if args.quick:
         cfg.ns, cfg.ps, cfg.capacity_timeout = [8, 4, 2, 1], [2048], 420.0  # the target cell (N=8) first
-        cfg.capacity_n = {"patched": [100], "reference": [3, 4]}
+        cfg.capacity_n = {"patched": [100], "stock_kvu": [3, 4]}
     cfg.ns = args.n or cfg.ns
     cfg.ps = args.p or cfg.ps
     cfg.systems = args.systems or cfg.systems
@@ -613,8 +598,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         cfg.capacity_timeout = args.capacity_timeout
     if args.capacity_patched:
         cfg.capacity_n["patched"] = args.capacity_patched
-    if args.capacity_reference:
-        cfg.capacity_n["reference"] = args.capacity_reference
+    if args.capacity_stock:
+        cfg.capacity_n["stock_kvu"] = args.capacity_stock
     cfg.capacity_only = args.capacity_only
     if cfg.capacity_only:
         cfg.capacity = True

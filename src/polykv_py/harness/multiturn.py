@@ -34,11 +34,10 @@ from ..data.questions import QUESTIONS
 from ..errors import PolykvError
 from ..fanout import Agent, BaseContext, SharedContext
 from ..native import ServerKind
-from ..presets import kv_debug, slot_actions_args
 from ..results import FanoutResult
 from ..server import LlamaServer
 from .kvcells import KVCellsLog
-from .systems import SYSTEMS, System, best_stock
+from .systems import SYSTEMS, System, best_stock, start_system_server
 
 log = logging.getLogger(__name__)
 
@@ -138,21 +137,14 @@ async def run_turns(sc: SharedContext, kv: KVCellsLog, cfg: TurnsConfig, *, prim
     return turns
 
 
-def start_server(system: System, slots: int, cells: int, cfg: TurnsConfig) -> LlamaServer:
-    """A started server for ``system`` with ``slots`` slots and ``cells`` KV cells, logging its KV use."""
-    debug_args, env = kv_debug(True)
-    args = ["-np", str(slots), "-c", str(cells), "--slots", *slot_actions_args(), *debug_args, *system.flags]
-    return LlamaServer(
-        kind=system.kind, model=cfg.model, args=args, threads=cfg.threads, env=env, name=f"turns-{system.name}"
-    ).start()
-
-
 def run_cell(system_name: str, cfg: TurnsConfig, base: str) -> dict[str, Any]:
     """All turns of one system, on a fresh server."""
     system = SYSTEMS[system_name]
     cells, slots = budget(system, cfg)
     concurrency = slots - 1 if system.share else slots
-    server = start_server(system, slots, cells, cfg)
+    server = start_system_server(
+        system, slots, cells, model=cfg.model, threads=cfg.threads, name=f"turns-{system.name}"
+    )
     try:
 
         async def go() -> list[dict[str, Any]]:

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..native import ServerKind
-from ..presets import NO_CLEAR_IDLE
+from ..presets import NO_CLEAR_IDLE, custom_server, slot_actions_args, slots_args
+from ..server import LlamaServer
 
 Budget = Literal["copies", "shared"]
 
@@ -112,3 +113,11 @@ def best_stock(walls: dict[str, float | None]) -> tuple[str, float] | None:
         return None
     w, name = min(ran)
     return name, w
+
+
+def start_system_server(
+    system: System, slots: int, cells: int, *, model: str | None, threads: int, name: str
+) -> LlamaServer:
+    """A started server for ``system`` with ``slots`` slots and ``cells`` KV cells, logging its KV cells in use."""
+    args = [*slots_args(slots, cells), "--slots", *slot_actions_args(), *system.flags]
+    return custom_server(system.kind, args, model=model, threads=threads, track_kv=True, name=name).start()

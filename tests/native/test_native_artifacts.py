@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import httpx
 import patchtool  # scripts/, on sys.path through pytest's pythonpath option (pyproject.toml)
 import pytest
 
@@ -42,13 +43,27 @@ def test_server_version(kind: str) -> None:
     assert f"commit {PIN['upstream_commit']}" in out.stdout + out.stderr
 
 
-def test_only_patched_server_has_pool_fields_in_help() -> None:
+def test_help_lists_upstreams_idle_slot_names_first() -> None:
     helps = {
         k: subprocess.run([str(server_binary(k)), "--help"], check=False, capture_output=True, text=True, timeout=60)
         for k in ("patched", "upstream")
     }
-    # 0072's aliases, listed after upstream's names (libllama-common: in both servers)
-    assert "--cache-idle-slots, --clear-idle, --no-cache-idle-slots, --no-clear-idle" in helps["patched"].stdout
+    # 0072's aliases come after upstream's names; libllama-common is shared, so both binaries list them
+    for kind, proc in helps.items():
+        assert "--cache-idle-slots, --clear-idle, --no-cache-idle-slots, --no-clear-idle" in proc.stdout, kind
+
+
+@pytest.mark.integration
+def test_only_the_patched_server_knows_the_pool_fields(model_path: Path, tmp_path: Path) -> None:
+    """Request fields are not in --help: send one with a bad value. The patched server refuses it
+    naming the field; the reference server does not know the field and answers normally."""
+    body = {"prompt": "Hello", "n_predict": 1, "shared_pool_slot": "zero"}
+    for kind, want in (("patched", 400), ("upstream", 200)):
+        with LlamaServer(model=model_path, kind=kind, args=["-c", "512", "-np", "2"], log_dir=tmp_path) as srv:
+            resp = httpx.post(f"{srv.url}/completion", json=body, timeout=60)
+            assert resp.status_code == want, (kind, resp.text)
+            if kind == "patched":
+                assert "shared_pool_slot" in resp.json()["error"]["message"]
 
 
 @pytest.mark.integration

@@ -67,6 +67,7 @@ def run_suites(paths: list[str]) -> dict:
 
 def markdown(doc: dict) -> str:
     load, cfg = doc["load"], doc["load"]["config"]
+    v = load["verdicts"]
     lines = [
         "# polykv reliability report",
         "",
@@ -75,9 +76,15 @@ def markdown(doc: dict) -> str:
         f"## Load: {cfg['n_agents']} agents in {cfg['rounds']} rounds, {cfg['n_slots']} slots, "
         f"{load['pool_cells']}-token reserved pool",
         "",
-        f"{cfg['suffix_tokens']}-token agent suffixes, {cfg['n_predict']} greedy tokens each, at most "
-        f"{cfg['n_slots']} requests in flight. Serial reference (each agent alone): {load['reference_s']} s. "
+        f"The base is the sample design document cut to the pool; each agent asks its own question about it "
+        f"(polykv_py.data.questions), {cfg['n_predict']} greedy tokens each, at most {cfg['n_slots']} requests "
+        f"in flight. Reference: the pristine server answering each request alone, unshared, from its own cache "
+        f"after the same priming request ({load['reference_s']} s for all agents; "
+        f"{len(load['reference_split'])} did not split at P). "
         f"Peak server RSS {load['server_rss_mb']} MB. Verdict: **{'PASS' if load['ok'] else 'FAIL'}**.",
+        "",
+        f"Against the reference, all rounds: {v['identical']} identical, {v['near_tie']} near-tie, "
+        f"{v['different']} different; largest log-prob drift {v['max_drift']}.",
         "",
         "| round | wall s | errors | statuses | identical | near-tie | different | max log-prob drift "
         "| KV cells after erase | pool cells | leak |",
@@ -92,7 +99,7 @@ def markdown(doc: dict) -> str:
         )
     lines += [
         "",
-        "near-tie: the answer left the serial reference's path at a token whose two best candidates were "
+        "near-tie: the answer left the reference's path at a token whose two best candidates were "
         f"within {LAYOUT.tie} log-prob in both runs, after a prefix that agreed within {LAYOUT.drift} "
         "(src/polykv_py/harness/compare.py: concurrent requests sit in other KV cells and CPU attention rounds "
         "by cell order).",

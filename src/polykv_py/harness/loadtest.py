@@ -1,16 +1,29 @@
-"""Load test: many agents in rounds over one reserved pool, checked against a serial reference.
+"""Load test: many agents in rounds over one reserved pool, checked against the reference server.
 
-One patched server (unified KV, ``--pool-slots 0``, ``n_slots`` agent slots) holds a
-``pool_tokens``-token base.  Each agent's answer is first computed alone (the serial
-reference); then ``rounds`` times all ``n_agents`` ask again, at most ``n_slots`` in
-flight, each request bounded in time.  Every round checks:
+Each agent asks its own question about a ``pool_tokens``-token base: the sample design
+document (:func:`polykv_py.data.sample_document`) cut to that many tokens, followed by one
+of :data:`polykv_py.data.questions.QUESTIONS` (numbered per agent, so every prompt differs
+and every answer depends on what the base holds).
+
+Reference: the pristine server (:func:`polykv_py.presets.reference_server`) answers every
+agent's request alone, *unshared*, from its own cache after the same priming request as the
+pool's: slot s is primed with the base, then base + question is sent pinned to slot s, so it
+computes the same tokens ``[P, n_prompt)`` in one batch over the same base KV, like a
+sharer does (docs/design-notes.md, "Compare like with like"; its ``timings.prompt_n`` is
+checked to be ``n_prompt - P``). Slot s is primed once, saved with ``/slots?action=save``
+and restored before each agent: the restored cells are the priming request's own KV, bit
+for bit, without a prefill per agent.
+
+Then one patched server (unified KV, ``--pool-slots 0``, ``n_slots`` agent slots) holds the
+base in its pool, and ``rounds`` times all ``n_agents`` ask, at most ``n_slots`` in flight,
+each request bounded in time.  Every round checks:
 
 - no request failed, the server is alive, no request recomputed its P-token prefix
   (status ``hit``, or ``own_cache`` when its slot still held the shared cells from an
   earlier agent of the round);
-- every answer equals its serial reference: identical, or diverging only at a near
-  tie (see :mod:`polykv_py.harness.compare`; concurrent requests sit in other KV cells and the
-  CPU attention kernels round by cell order);
+- every answer equals the reference's: identical, or diverging only at a near tie
+  (:func:`polykv_py.harness.compare.compare_greedy` with :data:`~polykv_py.harness.compare.LAYOUT`:
+  concurrent requests sit in other KV cells and the CPU attention kernels round by cell order);
 - no KV leak: after erasing the agent slots, the cells in use are exactly the pool's.
 """
 
@@ -24,13 +37,22 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..client import AsyncClient, Share
+from ..data import sample_document
+from ..data.questions import QUESTIONS
 from ..server import LlamaServer
-from .compare import compare_greedy
+from .compare import LAYOUT, compare_greedy
 from .kvcells import KVCellsLog
+from .texts import Detokenize, Tokenize, repeat_to_tokens
 
 log = logging.getLogger(__name__)
 
 POOL = 0
+#: The reference server's slot: primed with the base, saved, restored before each agent.
+REFERENCE_SLOT = 0
+#: File name (under the reference's ``--slot-save-path``) of the primed base.
+REFERENCE_STATE = "load-base.bin"
+#: KV cells each agent's question may take (the longest question, numbered, is about 30 tokens).
+QUESTION_ROOM = 48
 
 
 @dataclass(frozen=True)
@@ -39,11 +61,20 @@ class LoadConfig:
     pool_tokens: int = 2048
     n_agents: int = 64
     rounds: int = 10
-    suffix_tokens: int = 64
     n_predict: int = 16
     request_timeout: float = 300.0
     threads: int | None = None
     model: str | None = None
+
+
+def load_base(pool_tokens: int, tokenize: Tokenize, detokenize: Detokenize) -> str:
+    """The base: the sample document cut to ``pool_tokens`` tokens (repeated first if it is shorter)."""
+    return repeat_to_tokens(sample_document(), pool_tokens, tokenize, detokenize)
+
+
+def load_questions(n_agents: int) -> list[str]:
+    """Each agent's suffix: a question about the sample document, numbered so that no two prompts are equal."""
+    return [f"\n\nQuestion {i + 1}: {QUESTIONS[i % len(QUESTIONS)][0]}\nAnswer:" for i in range(n_agents)]
 
 
 @dataclass
@@ -79,6 +110,14 @@ class RoundResult:
 
 
 @dataclass
+class Reference:
+    """The reference server's unshared answers, one per agent, and the seconds they took one after another."""
+
+    answers: list[dict[str, Any]]
+    wall_s: float
+
+
+@dataclass
 class LoadReport:
     config: dict[str, Any]
     pool_cells: int
@@ -86,15 +125,27 @@ class LoadReport:
     reference_s: float
     rounds: list[RoundResult]
     server_rss_mb: float = 0.0
+    #: agents whose reference answer did not compute exactly ``n_prompt - P`` prompt tokens (not like with like)
+    reference_split: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return bool(self.rounds) and all(r.ok for r in self.rounds)
+        return bool(self.rounds) and all(r.ok for r in self.rounds) and not self.reference_split
+
+    def verdicts(self) -> dict[str, float]:
+        """Comparator verdicts over all rounds (identical, near_tie, different) and the largest drift."""
+        return {
+            "identical": sum(r.identical for r in self.rounds),
+            "near_tie": sum(r.near_tie for r in self.rounds),
+            "different": sum(len(r.different) for r in self.rounds),
+            "max_drift": max((r.max_drift for r in self.rounds), default=0.0),
+        }
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         for r, rr in zip(out["rounds"], self.rounds, strict=True):
             r["leak"], r["ok"] = rr.leak, rr.ok
+        out["verdicts"] = self.verdicts()
         out["ok"] = self.ok
         return out
 
@@ -104,7 +155,7 @@ def load_server(cfg: LoadConfig) -> LlamaServer:
     from ..presets import pool_server
 
     # room for the pool plus every slot's prompt and answer at once, with margin
-    ctx = cfg.pool_tokens + cfg.n_slots * (cfg.suffix_tokens + cfg.n_predict + 16) + 256
+    ctx = cfg.pool_tokens + cfg.n_slots * (QUESTION_ROOM + cfg.n_predict + 16) + 256
     server: LlamaServer = pool_server(
         model=cfg.model,
         n_agents_parallel=cfg.n_slots,
@@ -115,6 +166,41 @@ def load_server(cfg: LoadConfig) -> LlamaServer:
         pool_slot=POOL,
     )
     return server
+
+
+def reference_for(cfg: LoadConfig) -> LlamaServer:
+    """The reference server for :func:`run_load` (not started): pristine, one slot, room for the base and one agent."""
+    from ..presets import reference_server
+
+    ctx = cfg.pool_tokens + QUESTION_ROOM + cfg.n_predict + 256
+    server: LlamaServer = reference_server(
+        model=cfg.model, n_slots=1, ctx=ctx, threads=cfg.threads, name="load-reference"
+    )
+    return server
+
+
+def _params(cfg: LoadConfig) -> dict[str, Any]:
+    """The agents' generation parameters (greedy, with the log-probs the comparator needs)."""
+    return {"n_predict": cfg.n_predict, "temperature": 0, "n_probs": 2, "cache_prompt": True}
+
+
+async def reference_answers(ref: LlamaServer, base: str, prompts: list[str], cfg: LoadConfig) -> Reference:
+    """Every prompt answered alone by the started reference ``ref``, from its own cache of ``base``.
+
+    The slot is primed with ``base`` as the pool is, saved, and restored before each prompt, so each
+    answer computes only its tokens after the base, over the priming request's KV (see the module docstring).
+    """
+    slot = REFERENCE_SLOT
+    async with ref.async_client(timeout=cfg.request_timeout + 30) as c:
+        await c.prime(base, slot, n_predict=1)
+        await c.post_json(f"/slots/{slot}?action=save", {"filename": REFERENCE_STATE})
+        t0 = time.monotonic()
+        answers = []
+        for prompt in prompts:
+            await c.post_json(f"/slots/{slot}?action=restore", {"filename": REFERENCE_STATE})
+            answer = c.completion(prompt, id_slot=slot, **_params(cfg))
+            answers.append(await asyncio.wait_for(answer, cfg.request_timeout))
+    return Reference(answers, round(time.monotonic() - t0, 2))
 
 
 async def _erase_agents(c: AsyncClient, n_slots: int) -> None:
@@ -136,32 +222,29 @@ async def _cells_in_use(c: AsyncClient, kv: KVCellsLog) -> int:
 
 
 async def _ask(c: AsyncClient, prompt: str, p: int, cfg: LoadConfig) -> dict[str, Any]:
-    return await asyncio.wait_for(
-        c.completion(
-            prompt, share=Share(POOL, p), n_predict=cfg.n_predict, temperature=0, n_probs=2, cache_prompt=True
-        ),
-        cfg.request_timeout,
-    )
+    return await asyncio.wait_for(c.completion(prompt, share=Share(POOL, p), **_params(cfg)), cfg.request_timeout)
 
 
-async def run_load_async(server: LlamaServer, cfg: LoadConfig, progress: bool = False) -> LoadReport:
-    """Run the rounds against a started :func:`load_server`."""
-    from .benchmark import make_inputs
+def _split_errors(reference: Reference, prefix: list[int]) -> list[str]:
+    """Reference answers that did not compute exactly ``n_prompt - P`` tokens (their split is not the share's)."""
+    out = []
+    for i, (ans, p) in enumerate(zip(reference.answers, prefix, strict=True)):
+        n_prompt, prompt_n = int(ans.get("tokens_evaluated", -1)), int((ans.get("timings") or {}).get("prompt_n", -1))
+        if prompt_n != n_prompt - p:
+            out.append(f"agent {i}: the reference computed {prompt_n} of {n_prompt} prompt tokens, P = {p}")
+    return out
 
-    base, (suffixes,) = make_inputs(server, cfg.pool_tokens, cfg.n_agents, cfg.suffix_tokens)
+
+async def run_load_async(
+    server: LlamaServer, base: str, prompts: list[str], reference: Reference, cfg: LoadConfig, progress: bool = False
+) -> LoadReport:
+    """Run the rounds against a started :func:`load_server`, comparing with :func:`reference_answers`."""
     kv = KVCellsLog(server.log_path)
     async with server.async_client(timeout=cfg.request_timeout + 30) as c:
         await c.prime(base, POOL, n_predict=1)
         pool_cells = await _cells_in_use(c, kv)
-        prompts = [base + s for s in suffixes]
         prefix = [await c.shared_prefix_len(base, p) for p in prompts]
-
-        t0 = time.monotonic()
-        reference = []
-        for prompt, p in zip(prompts, prefix, strict=True):
-            reference.append(await _ask(c, prompt, p, cfg))
-            await _erase_agents(c, cfg.n_slots)
-        reference_s = time.monotonic() - t0
+        reference_split = _split_errors(reference, prefix)
 
         sem = asyncio.Semaphore(cfg.n_slots)
 
@@ -194,7 +277,7 @@ async def run_load_async(server: LlamaServer, cfg: LoadConfig, progress: bool = 
                         f"agent {i}: processed {processed} of {out.get('tokens_evaluated')}"
                         f" prompt tokens, P = {prefix[i]} ({status})"
                     )
-                cmp = compare_greedy(reference[i], out)
+                cmp = compare_greedy(reference.answers[i], out, margins=LAYOUT)
                 rr.max_drift = max(rr.max_drift, round(cmp.max_drift, 4))
                 if cmp.verdict == "identical":
                     rr.identical += 1
@@ -212,7 +295,8 @@ async def run_load_async(server: LlamaServer, cfg: LoadConfig, progress: bool = 
             rounds.append(rr)
             msg = (
                 f"round {rr.round}/{cfg.rounds}: {rr.wall_s:.1f} s, {len(rr.errors)} errors, "
-                f"{rr.identical} identical + {rr.near_tie} near-tie / {cfg.n_agents}, leak {rr.leak} cells"
+                f"{rr.identical} identical + {rr.near_tie} near-tie + {len(rr.different)} different "
+                f"/ {cfg.n_agents} (max drift {rr.max_drift}), leak {rr.leak} cells"
             )
             (print if progress else log.info)(msg)
             if not rr.server_alive:
@@ -221,13 +305,20 @@ async def run_load_async(server: LlamaServer, cfg: LoadConfig, progress: bool = 
         config=asdict(cfg),
         pool_cells=pool_cells,
         prefix_tokens=sorted(set(prefix)),
-        reference_s=round(reference_s, 2),
+        reference_s=reference.wall_s,
         rounds=rounds,
         server_rss_mb=round(rss, 1),
+        reference_split=reference_split,
     )
 
 
 def run_load(cfg: LoadConfig, progress: bool = False) -> LoadReport:
-    """Start a server, run the load, stop the server."""
+    """Answer every agent on the reference server, then run the rounds on the patched server (one at a time)."""
+    with reference_for(cfg).start() as ref:
+        c = ref.client
+        base = load_base(cfg.pool_tokens, c.tokenize, c.detokenize)
+        prompts = [base + q for q in load_questions(cfg.n_agents)]
+        reference = asyncio.run(reference_answers(ref, base, prompts, cfg))
+    (print if progress else log.info)(f"reference: {cfg.n_agents} answers alone in {reference.wall_s} s")
     with load_server(cfg).start() as server:
-        return asyncio.run(run_load_async(server, cfg, progress))
+        return asyncio.run(run_load_async(server, base, prompts, reference, cfg, progress))

@@ -4,7 +4,8 @@ Both clients speak the same endpoints: health, props, slots, metrics, tokenize,
 detokenize, apply-template, ``/completion``, ``/v1/completions`` and
 ``/v1/chat/completions``, each streamed (``*_stream``: the SSE chunks plus an
 aggregated final result) or not, and the pool's own steps: :meth:`Client.prime`,
-:meth:`Client.share`, :meth:`Client.erase_slot`.  An error answer raises
+:meth:`Client.share`, :meth:`Client.erase_slot`, and what the server offers for pools
+(:meth:`Client.pool_features`: whether it computes P itself, ``--pool-auto``).  An error answer raises
 :class:`~polykv_py.errors.HTTPError` with the server's own message; a failed
 connection raises :class:`~polykv_py.errors.ServerUnavailableError`, carrying the
 server's log tail when the client belongs to a :class:`~polykv_py.server.LlamaServer`.
@@ -69,8 +70,10 @@ class Share:
     """The request fields that share a pool slot's KV: ``shared_pool_slot`` and ``shared_prefix_n_tokens``.
 
     ``n_tokens`` is P, the common prefix of the *tokenized* pool prompt and the tokenized
-    prompt (:meth:`Client.shared_prefix_len`); None leaves the field out (the server then
-    shares nothing: status ``no_prefix``).
+    prompt (:meth:`Client.shared_prefix_len`); None leaves the field out: a server whose
+    ``/props`` has a ``polykv`` object (:attr:`PoolFeatures.server_prefix`) then computes P
+    itself (``shared_prefix.requested`` null, ``auto`` ``"prefix"``), an older patched server
+    shares nothing (status ``no_prefix``). :meth:`Client.share_for` picks the right one.
     """
 
     pool_slot: int
@@ -82,6 +85,45 @@ class Share:
         if self.n_tokens is not None:
             out["shared_prefix_n_tokens"] = self.n_tokens
         return out
+
+
+@dataclass(frozen=True)
+class PoolFeatures:
+    """What a patched server says about its pools: the ``"polykv"`` object of ``GET /props``.
+
+    A server started with ``--pool-slots`` by a patch that computes P itself reports
+    ``{"pool_slots": [...], "pool_auto": bool, "pool_auto_min_tokens": N}``. Any other server
+    (an older patch, no ``--pool-slots``, the reference) has no such object: the defaults here,
+    and a client must send P itself.
+    """
+
+    #: The reserved pool slots (``--pool-slots``); a share must name one of them (else HTTP 400).
+    pool_slots: tuple[int, ...] = ()
+    #: ``--pool-auto``: a plain request (no pool field, not pinned) shares the best reserved pool.
+    pool_auto: bool = False
+    #: The shortest common prefix, in tokens, that ``--pool-auto`` shares.
+    pool_auto_min_tokens: int | None = None
+    #: The server computes P when a request names ``shared_pool_slot`` without ``shared_prefix_n_tokens``.
+    server_prefix: bool = False
+
+    @classmethod
+    def from_props(cls, props: Json) -> PoolFeatures:
+        """The features in a ``/props`` answer (the defaults when it has no ``polykv`` object)."""
+        info = props.get("polykv")
+        if not isinstance(info, dict):
+            return cls()
+        min_tokens = info.get("pool_auto_min_tokens")
+        return cls(
+            pool_slots=tuple(int(s) for s in info.get("pool_slots") or ()),
+            pool_auto=bool(info.get("pool_auto")),
+            pool_auto_min_tokens=min_tokens if isinstance(min_tokens, int) else None,
+            server_prefix=True,
+        )
+
+    def check_pool_slot(self, slot: int) -> None:
+        """Raise ValueError when the server reserves pools and ``slot`` is not one of them."""
+        if self.pool_slots and slot not in self.pool_slots:
+            raise ValueError(f"slot {slot} is not a reserved pool slot of this server (--pool-slots {self.pool_slots})")
 
 
 @dataclass
@@ -385,6 +427,7 @@ class _Base:
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.server = server
+        self._pool_features: PoolFeatures | None = None
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         #: what either httpx client is made with (no proxies from the environment: the server is local)
         self._http_options: dict[str, Any] = {
@@ -499,6 +542,12 @@ class Client(_Base):
         """``GET /props``."""
         return self.send(PROPS)
 
+    def pool_features(self, *, refresh: bool = False) -> PoolFeatures:
+        """What the server offers for pools (``/props``), read once per client unless ``refresh``."""
+        if self._pool_features is None or refresh:
+            self._pool_features = PoolFeatures.from_props(self.props())
+        return self._pool_features
+
     def slots(self) -> list[Json]:
         """``GET /slots``."""
         return self.send(SLOTS)
@@ -559,12 +608,22 @@ class Client(_Base):
         """Fill ``slot`` with ``prompt`` (processed and cached, nothing generated; None: any slot)."""
         return self.send(prime_request(prompt, slot, params))
 
+    def share_for(self, pool_prompt: str, prompt: str, *, pool_slot: int = 0) -> Share:
+        """The sharing fields for ``prompt`` over ``pool_slot``, which holds ``pool_prompt``.
+
+        P is left to the server when it computes it (:attr:`PoolFeatures.server_prefix`), else it
+        is :meth:`shared_prefix_len` of the two prompts.
+        """
+        if self.pool_features().server_prefix:
+            return Share(pool_slot)
+        return Share(pool_slot, self.shared_prefix_len(pool_prompt, prompt))
+
     def share(self, pool_prompt: str, prompt: str, *, pool_slot: int = 0, **params: Any) -> Json:
         """``POST /completion`` of ``prompt`` sharing the first P tokens of ``pool_slot``, which holds ``pool_prompt``.
 
-        P is :meth:`shared_prefix_len` of the two prompts.
+        P as :meth:`share_for` gives it (the server's own, or computed here).
         """
-        return self.completion(prompt, share=Share(pool_slot, self.shared_prefix_len(pool_prompt, prompt)), **params)
+        return self.completion(prompt, share=self.share_for(pool_prompt, prompt, pool_slot=pool_slot), **params)
 
     def erase_slot(self, slot: int) -> Json:
         """Empty ``slot``'s KV (``POST /slots/{slot}?action=erase``; the server needs ``--slot-save-path``)."""
@@ -653,6 +712,12 @@ class AsyncClient(_Base):
         """``GET /props``."""
         return await self.send(PROPS)
 
+    async def pool_features(self, *, refresh: bool = False) -> PoolFeatures:
+        """What the server offers for pools (``/props``), read once per client unless ``refresh``."""
+        if self._pool_features is None or refresh:
+            self._pool_features = PoolFeatures.from_props(await self.props())
+        return self._pool_features
+
     async def slots(self) -> list[Json]:
         """``GET /slots``."""
         return await self.send(SLOTS)
@@ -713,10 +778,16 @@ class AsyncClient(_Base):
         """Fill ``slot`` with ``prompt`` (processed and cached, nothing generated; None: any slot)."""
         return await self.send(prime_request(prompt, slot, params))
 
+    async def share_for(self, pool_prompt: str, prompt: str, *, pool_slot: int = 0) -> Share:
+        """The sharing fields for ``prompt`` over ``pool_slot`` (see :meth:`Client.share_for`)."""
+        if (await self.pool_features()).server_prefix:
+            return Share(pool_slot)
+        return Share(pool_slot, await self.shared_prefix_len(pool_prompt, prompt))
+
     async def share(self, pool_prompt: str, prompt: str, *, pool_slot: int = 0, **params: Any) -> Json:
         """``POST /completion`` sharing the pool slot that holds ``pool_prompt`` (see :meth:`Client.share`)."""
-        p = await self.shared_prefix_len(pool_prompt, prompt)
-        return await self.completion(prompt, share=Share(pool_slot, p), **params)
+        share = await self.share_for(pool_prompt, prompt, pool_slot=pool_slot)
+        return await self.completion(prompt, share=share, **params)
 
     async def erase_slot(self, slot: int) -> Json:
         """Empty ``slot``'s KV (``POST /slots/{slot}?action=erase``)."""

@@ -5,10 +5,12 @@ fans agent requests out concurrently.  Every agent request carries
 ``shared_pool_slot`` and ``shared_prefix_n_tokens`` = P, where P is the common
 prefix of the *tokenized* pool prompt and the *tokenized* agent prompt (never
 ``len(tokenize(base))``: a token at the seam may tokenize differently, see
-``docs/fanout.md``).  The server verifies those tokens and reports what it did in
-``shared_prefix.status``.  A report that the pool is gone (``not_resident``,
-``mismatch``) re-primes the pool for the agents that follow; the agent that saw it
-still has a correct answer (the server recomputed its prefix).
+``docs/fanout.md``).  A server that computes P itself (its ``/props`` has a ``polykv``
+object: :class:`~polykv_py.client.PoolFeatures`) gets only ``shared_pool_slot``.  The
+server verifies the tokens and reports what it did in ``shared_prefix.status``.  A report
+that the pool is gone (``not_resident``, ``mismatch``) re-primes the pool for the agents
+that follow; the agent that saw it still has a correct answer (the server recomputed its
+prefix).
 
 Typical use::
 
@@ -28,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
 
-from .client import CHAT, COMPLETION, DEFAULT_TIMEOUT, AsyncClient, Share, aggregate, generation_body
+from .client import CHAT, COMPLETION, DEFAULT_TIMEOUT, AsyncClient, PoolFeatures, Share, aggregate, generation_body
 from .errors import PolykvError, ServerUnavailableError
 from .results import (
     ERROR,
@@ -180,8 +182,16 @@ def server_gone(exc: BaseException) -> bool:
     )
 
 
-def needs_reprime(status: str) -> bool:
-    return status in REPRIME_STATUSES
+def needs_reprime(status: str, *, server_prefix: bool = False) -> bool:
+    """True when ``status`` says the pool no longer holds the base. When the server computes P,
+    ``no_prefix`` says so too: every agent's prompt starts with the base, so only a pool that
+    lost it has nothing in common with the prompt."""
+    return status in REPRIME_STATUSES or (server_prefix and status == "no_prefix")
+
+
+def server_shared(sp: Json | None) -> int:
+    """The prompt tokens the server took from the pool (``shared_prefix.shared``; 0 without it)."""
+    return int(sp.get("shared") or 0) if isinstance(sp, dict) else 0
 
 
 # --------------------------------------------------------------------------- the object
@@ -194,6 +204,9 @@ class SharedContext:
     server's ordinary caches).  ``concurrency`` bounds the requests in flight
     (default: the server's slots minus the pool slot). With ``keep_going`` a failed
     agent request becomes a result with status ``"error"`` instead of failing the run.
+    ``server_prefix``: leave P to the server (True), send it (False), or ask the server
+    (None: :attr:`~polykv_py.client.PoolFeatures.server_prefix`); with the server's P an
+    agent's ``requested`` is the server's count (``shared_prefix.shared``).
     A server that is gone (its process exited, or it refuses connections) fails the run
     whatever ``keep_going`` says: the :class:`~polykv_py.errors.ServerUnavailableError`
     (with the server's log tail when the client belongs to a ``LlamaServer``) is raised,
@@ -212,6 +225,7 @@ class SharedContext:
         reprime: bool = True,
         pin_prime: bool = True,
         keep_going: bool = True,
+        server_prefix: bool | None = None,
     ) -> None:
         self.client = client
         self.base = base
@@ -221,6 +235,8 @@ class SharedContext:
         self.pin_prime = pin_prime
         self.keep_going = keep_going
         self.concurrency = concurrency
+        self.server_prefix = server_prefix
+        self._features: PoolFeatures | None = None
         self._owns_client = False
         self._pool_prompt: str | None = None
         self._pool_tokens: list[int] | None = None
@@ -321,9 +337,34 @@ class SharedContext:
         """P for ``agent`` (see :func:`shared_prefix_len`)."""
         return shared_prefix_len(await self.pool_tokens(), await self.agent_tokens(agent))
 
+    async def features(self) -> PoolFeatures:
+        """What the server offers for pools (its ``/props``, read once)."""
+        if self._features is None:
+            self._features = await self._retry(self.client.pool_features)
+        return self._features
+
+    async def uses_server_prefix(self) -> bool:
+        """True when the agents' requests leave P to the server (see ``server_prefix``)."""
+        if self.server_prefix is not None:
+            return self.server_prefix
+        return (await self.features()).server_prefix
+
+    async def check_pool_slot(self) -> None:
+        """Raise :class:`FanoutError` when the server reserves pools and ours is not one of them."""
+        try:
+            (await self.features()).check_pool_slot(self.pool_slot)
+        except ValueError as exc:
+            raise FanoutError(str(exc)) from None
+
+    async def share_fields(self, agent: Agent) -> Share:
+        """The sharing fields for ``agent``: the pool slot, and P unless the server computes it."""
+        if await self.uses_server_prefix():
+            return Share(self.pool_slot)
+        return Share(self.pool_slot, await self.prefix_len(agent))
+
     async def extra_body(self, agent: Agent) -> Json:
         """The sharing fields for ``agent``, e.g. for the OpenAI client's ``extra_body``."""
-        return Share(self.pool_slot, await self.prefix_len(agent)).fields()
+        return (await self.share_fields(agent)).fields()
 
     # -- pool ---------------------------------------------------------------------
     async def prime(self, reason: str = "initial") -> PrimeResult:
@@ -410,8 +451,11 @@ class SharedContext:
             error=first_line(exc),
         )
 
-    def _body(self, agent: Agent, mode: Mode, p: int | None) -> Json:
-        share = Share(self.pool_slot, p) if p is not None else None
+    @staticmethod
+    def _sent_p(share: Share | None) -> int:
+        return share.n_tokens or 0 if share is not None else 0
+
+    def _body(self, agent: Agent, mode: Mode, share: Share | None) -> Json:
         if mode == "chat":
             return generation_body("messages", agent.messages(self.base), share, dict(agent.params))
         return generation_body("prompt", agent.prompt(self.base), share, dict(agent.params))
@@ -420,8 +464,10 @@ class SharedContext:
         """Send one agent (streamed, to time its first token) and return its result."""
         mode = agent.resolved_mode(self.base)
         n_prompt_tokens = await self.agent_tokens(agent)
-        p = shared_prefix_len(await self.pool_tokens(), n_prompt_tokens) if self.share else None
+        share = await self.share_fields(agent) if self.share else None
+        server_p = share is not None and share.n_tokens is None
         if self.share:
+            await self.check_pool_slot()
             await self.ensure_primed()
             await self._ready.wait()
         generation = self._primed_generation
@@ -430,7 +476,7 @@ class SharedContext:
         t0 = time.perf_counter()
         ttft: float | None = None
         chunks: list[Json] = []
-        body = self._body(agent, mode, p)
+        body = self._body(agent, mode, share)
         for attempt in (1, 2):
             try:
                 async for chunk in self.client.stream_events(path, body):
@@ -456,8 +502,8 @@ class SharedContext:
             mode=mode,
             text=text,
             status=status,
-            requested=p or 0,
-            shared=int(sp.get("shared", 0)) if isinstance(sp, dict) else 0,
+            requested=server_shared(sp) if server_p else self._sent_p(share),
+            shared=server_shared(sp),
             n_prompt=len(n_prompt_tokens),
             processed=int(timings.get("prompt_n", 0)),
             cached=int(timings.get("cache_n", 0)),
@@ -471,7 +517,7 @@ class SharedContext:
             timings=dict(timings),
             shared_prefix=dict(sp) if isinstance(sp, dict) else None,
         )
-        if self.share and self.reprime and needs_reprime(status):
+        if self.share and self.reprime and needs_reprime(status, server_prefix=server_p):
             await self._reprime_after(generation, status)
         return res
 
@@ -507,6 +553,8 @@ class SharedContext:
     async def _run(
         self, agents: Sequence[Agent], t0: float, n_primes: int, prime: bool | None, progress: ProgressCallback | None
     ) -> FanoutResult:
+        if self.share:
+            await self.check_pool_slot()
         do_prime = prime if prime is not None else (self.share and self._primed_generation < 0)
         if do_prime:
             await self.prime(self._initial_reason() if self._primed_generation < 0 else "requested")

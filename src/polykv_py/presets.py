@@ -6,7 +6,8 @@ from here, so a recipe is written once:
 - :func:`pool_server`: the patched server set up for a fan-out (unified KV, reserved
   pool slot, idle slots kept resident, no host prompt cache);
 - :func:`reference_server`: the pristine server with the same flags minus polykv's own;
-- :data:`SERVE_DEFAULTS`: what ``polykv serve`` adds unless told otherwise.
+- :data:`SERVE_DEFAULTS` and :func:`serve_pool_args`: what ``polykv serve`` adds unless told
+  otherwise, and its reserved pools; :func:`serve_server` is the same server for tests.
 
 The returned :class:`~polykv_py.server.LlamaServer` objects are not started yet.
 """
@@ -42,9 +43,17 @@ POOL_SERVER_ARGS = (UNIFIED_KV, NO_CLEAR_IDLE, *NO_HOST_CACHE, "--slots")
 #: The same for the reference server (upstream's flag name; no pool slot to reserve).
 REFERENCE_SERVER_ARGS = (UNIFIED_KV, NO_CACHE_IDLE, *NO_HOST_CACHE, "--slots")
 
-#: Flags ``polykv serve`` adds unless the user passes ``--no-defaults``.
+#: polykv's flag: a plain request (no pool field, not pinned) shares the reserved pool that has the longest
+#: common prefix with its prompt (``shared_prefix.auto == "pool"``). Only newer patched servers know it.
+POOL_AUTO = "--pool-auto"
+#: KV cells ``polykv serve`` gives the server unless told otherwise.
+SERVE_CTX = 32768
+#: Slots ``polykv serve`` gives agents, besides its reserved pools.
+SERVE_AGENT_SLOTS = 8
+
+#: Flags ``polykv serve`` adds unless the user passes ``--no-defaults`` (its pools: :func:`serve_pool_args`).
 SERVE_DEFAULTS = (
-    *POOL_SERVER_ARGS[:-1], "--pool-slots", "0", "-np", "8", "-c", "32768",
+    *POOL_SERVER_ARGS[:-1], "-c", str(SERVE_CTX),
     "-t", str(min(os.cpu_count() or 2, 8)), "--metrics", "--slots",
 )  # fmt: skip
 
@@ -57,6 +66,17 @@ def slots_args(n_slots: int, ctx: int) -> list[str]:
 def pool_slot_args(pool_slots: Sequence[int]) -> list[str]:
     """``--pool-slots`` for the given slots (patch 0073: reserved, never picked, purged or idle-cleared)."""
     return ["--pool-slots", ",".join(str(s) for s in pool_slots)] if pool_slots else []
+
+
+def serve_pool_args(n_pools: int, agent_slots: int = SERVE_AGENT_SLOTS, *, pool_auto: bool = False) -> list[str]:
+    """``polykv serve``'s pools: ``--pool-slots 0,..,k-1 -np k+agent_slots`` (and ``--pool-auto``).
+
+    ``k = max(n_pools, 1)``: slot 0 is reserved even without a pool to prime (prime it yourself).
+    """
+    if n_pools < 0 or agent_slots < 1:
+        raise ValueError(f"need n_pools >= 0 and agent_slots >= 1, not {n_pools} and {agent_slots}")
+    k = max(n_pools, 1)
+    return [*pool_slot_args(range(k)), "-np", str(k + agent_slots), *([POOL_AUTO] if pool_auto else [])]
 
 
 def slot_actions_args() -> list[str]:
@@ -98,6 +118,30 @@ def pool_server(
     args = [*recipe, *slots_args(n_agents_parallel + 1, ctx), *slot_actions_args(), *reserve]
     return custom_server(kind, args, extra_args=extra_args, track_kv=track_kv, model=model, threads=threads, name=name,
                          env=env, **launch)  # fmt: skip
+
+
+def serve_server(
+    n_pools: int,
+    *,
+    agent_slots: int = SERVE_AGENT_SLOTS,
+    ctx: int = SERVE_CTX,
+    pool_auto: bool = True,
+    slot_actions: bool = False,
+    extra_args: Sequence[str] = (),
+    threads: int | None = None,
+    name: str = "polykv-serve",
+    **launch: Any,
+) -> LlamaServer:
+    """The patched server as ``polykv serve --pool ...`` starts it (``n_pools`` reserved pools,
+    ``agent_slots`` more slots, ``ctx`` KV cells, ``--pool-auto``), on a free loopback port.
+
+    Prime its pools with :func:`polykv_py.serve.prime_pools`, as ``polykv serve`` does.
+    ``slot_actions`` adds ``--slot-save-path`` (erasing slots, for tests).
+    """
+    args = [*POOL_SERVER_ARGS, "-c", str(ctx), *serve_pool_args(n_pools, agent_slots, pool_auto=pool_auto)]
+    if slot_actions:
+        args += slot_actions_args()
+    return custom_server(ServerKind.PATCHED, args, extra_args=extra_args, threads=threads, name=name, **launch)
 
 
 def reference_server(

@@ -89,6 +89,20 @@ def default_log_dir() -> Path:
         return _log_root
 
 
+def connect_host(host: str) -> str:
+    """The host part of a URL that reaches a server bound to ``host``.
+
+    A wildcard address (``0.0.0.0``, ``::``) is reached on loopback; an IPv6 literal gets brackets.
+    """
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    if ":" in host and not host.startswith("["):
+        return f"[{host}]"
+    return host
+
+
 def read_log_tail(path: Path, n: int = 40) -> str:
     """The last ``n`` lines of a log file ('' if it does not exist)."""
     try:
@@ -148,7 +162,10 @@ class LlamaServer:
 
     ``binary`` defaults to :func:`~polykv_py.native.server_binary` of ``kind``;
     ``model`` to :func:`~polykv_py.models.resolve_model`. ``args`` are passed last, so
-    they win over the defaults (``-t threads``). Use as a context manager or call
+    they win over the defaults (``-t threads``; ``threads=None`` and ``metrics=False`` leave
+    those flags out). The server's environment is this process's without the
+    ``LLAMA_ARG_*`` variables (llama-server reads its flags from them), unless
+    ``inherit_llama_env``; ``env`` is added to it. Use as a context manager or call
     :meth:`start` and :meth:`stop`.
     """
 
@@ -161,7 +178,7 @@ class LlamaServer:
         kind: ServerKind | str = ServerKind.PATCHED,
         host: str = "127.0.0.1",
         port: int | None = None,
-        threads: int = DEFAULT_THREADS,
+        threads: int | None = DEFAULT_THREADS,
         api_key: str | None = None,
         metrics: bool = True,
         log_dir: str | os.PathLike[str] | None = None,
@@ -169,6 +186,7 @@ class LlamaServer:
         env: dict[str, str] | None = None,
         start_timeout: float = DEFAULT_START_TIMEOUT,
         die_with_parent: bool | None = None,
+        inherit_llama_env: bool = False,
     ) -> None:
         self.kind = kind = ServerKind.of(kind)
         self.binary = Path(binary) if binary is not None else server_binary(kind)
@@ -186,6 +204,7 @@ class LlamaServer:
         self.start_timeout = start_timeout
         self._extra_env = dict(env or {})
         self._die_with_parent = die_with_parent
+        self._inherit_llama_env = inherit_llama_env
         self._log_dir = Path(log_dir) if log_dir is not None else None
         self._port: int | None = None
         self._log_path: Path | None = None
@@ -208,8 +227,8 @@ class LlamaServer:
 
     @property
     def url(self) -> str:
-        """Base URL, e.g. ``http://127.0.0.1:43123``."""
-        return f"http://{self.host}:{self.port}"
+        """Base URL, e.g. ``http://127.0.0.1:43123`` (a wildcard bind address is reached on loopback)."""
+        return f"http://{connect_host(self.host)}:{self.port}"
 
     @property
     def log_path(self) -> Path:
@@ -247,7 +266,8 @@ class LlamaServer:
     def command(self, port: int) -> list[str]:
         """The command line used for ``port``."""
         cmd = [str(self.binary), "-m", str(self.model), "--host", self.host, "--port", str(port)]
-        cmd += ["-t", str(self.threads)]
+        if self.threads is not None:
+            cmd += ["-t", str(self.threads)]
         if self.metrics:
             cmd.append("--metrics")
         if self.api_key:
@@ -303,7 +323,7 @@ class LlamaServer:
         self._log_path = log_dir / f"{self.name}-{port}-{next(_counter)}.log"
         self._client = None
         cmd = self.command(port)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}
+        env = {k: v for k, v in os.environ.items() if self._inherit_llama_env or not k.startswith("LLAMA_ARG_")}
         env.update(self._extra_env)
         die = self._die_with_parent
         if die is None:  # PDEATHSIG follows the creating *thread*: only safe from the main thread
@@ -370,6 +390,14 @@ class LlamaServer:
         if resp.status_code == 503 and "loading" in resp.text.lower():
             return "loading"
         return "error"
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """Wait for the process to exit (at most ``timeout`` s); its exit status, or None while it runs."""
+        proc = self._started(self._proc)
+        try:
+            return proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
 
     def is_alive(self) -> bool:
         """True while the server process runs."""

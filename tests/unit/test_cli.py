@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from polykv_py.cli import app as cli
 from polykv_py.harness import gate
-from polykv_py.presets import SERVE_DEFAULTS
+from polykv_py.presets import POOL_AUTO, SERVE_AGENT_SLOTS, SERVE_DEFAULTS, serve_pool_args, serve_server
 
 
 def test_gate_options_reach_the_gate(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -26,3 +28,26 @@ def test_unknown_command_is_a_usage_error() -> None:
     with pytest.raises(SystemExit) as exc:
         cli.main(["no-such-command"])
     assert exc.value.code == 2
+
+
+def test_serve_keeps_pool_files_in_order_with_their_kind() -> None:
+    args = cli.build_parser().parse_args(["serve", "--pool", "a", "--pool-chat", "b", "--pool", "c", "--", "-c", "9"])
+    assert args.pools == [("text", "a"), ("chat", "b"), ("text", "c")]
+    assert args.server_args == ["--", "-c", "9"] and args.pool_auto is None
+    assert cli.build_parser().parse_args(["serve", "--no-pool-auto"]).pool_auto is False
+
+
+def test_serve_pool_args_reserve_the_pools_and_add_agent_slots() -> None:
+    assert serve_pool_args(0) == ["--pool-slots", "0", "-np", str(SERVE_AGENT_SLOTS + 1)]
+    assert serve_pool_args(2, 3, pool_auto=True) == ["--pool-slots", "0,1", "-np", "5", POOL_AUTO]
+    with pytest.raises(ValueError, match="agent_slots >= 1"):
+        serve_pool_args(1, 0)
+
+
+def test_serve_server_is_polykv_serve_with_pools(tmp_path: Path, fake_model: Path) -> None:
+    srv = serve_server(2, agent_slots=2, ctx=4096, threads=1, binary=tmp_path / "llama-server", model=fake_model)
+    cmd = srv.command(8080)
+    flags = [a for a in SERVE_DEFAULTS if a.startswith("-")]
+    assert all(f in cmd for f in flags), [f for f in flags if f not in cmd]
+    assert cmd[cmd.index("-c") + 1] == "4096" and cmd[cmd.index("-t") + 1] == "1"
+    assert cmd[-5:] == ["--pool-slots", "0,1", "-np", "4", POOL_AUTO]

@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from polykv_py.client import AsyncClient, Client, Share
+from polykv_py.client import AsyncClient, Client, PoolFeatures, Share
 from polykv_py.errors import HTTPError, ServerUnavailableError
 
 
@@ -110,14 +110,16 @@ def test_async_client_stream_and_errors() -> None:
     asyncio.run(main())
 
 
-def pool_server(seen: list[tuple[str, object]]) -> httpx.MockTransport:
-    """Records (path with query, body); tokenizes one token per character."""
+def pool_server(seen: list[tuple[str, object]], props: dict | None = None) -> httpx.MockTransport:
+    """Records (path with query, body); tokenizes one token per character; ``/props`` answers ``props``."""
 
     def handler(request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content) if request.content else None
         seen.append((f"{request.url.path}{'?' + request.url.query.decode() if request.url.query else ''}", body))
         if request.url.path == "/tokenize":
             return httpx.Response(200, json={"tokens": [ord(c) for c in body["content"]]})
+        if request.url.path == "/props":
+            return httpx.Response(200, json=props or {"total_slots": 4})
         return httpx.Response(200, json={"ok": True})
 
     return httpx.MockTransport(handler)
@@ -127,6 +129,7 @@ POOL_STEPS = [
     ("/completion", {"prompt": "base", "n_predict": 0, "id_slot": 0, "cache_prompt": True, "temperature": 0.0}),
     ("/completion", {"prompt": [1, 2], "n_predict": 1, "cache_prompt": True, "temperature": 0.0}),
     ("/slots/2?action=erase", {}),
+    ("/props", None),  # no "polykv" object: P is computed here
     ("/tokenize", {"content": "base", "add_special": True, "parse_special": True}),
     ("/tokenize", {"content": "base, and more", "add_special": True, "parse_special": True}),
     ("/completion", {"prompt": "base, and more", "id_slot": 1, "shared_pool_slot": 0, "shared_prefix_n_tokens": 4}),
@@ -152,6 +155,55 @@ def test_pool_steps_sync_and_async_send_the_same_requests() -> None:
     seen.clear()
     asyncio.run(main())
     assert seen == POOL_STEPS
+
+
+NEW_PROPS = {"total_slots": 4, "polykv": {"pool_slots": [0, 1], "pool_auto": True, "pool_auto_min_tokens": 64}}
+
+
+def test_pool_features_from_props() -> None:
+    assert PoolFeatures.from_props({"total_slots": 4}) == PoolFeatures()
+    assert not PoolFeatures().server_prefix
+    got = PoolFeatures.from_props(NEW_PROPS)
+    assert got == PoolFeatures(pool_slots=(0, 1), pool_auto=True, pool_auto_min_tokens=64, server_prefix=True)
+    got.check_pool_slot(1)
+    with pytest.raises(ValueError, match="slot 2 is not a reserved pool slot"):
+        got.check_pool_slot(2)
+    PoolFeatures().check_pool_slot(5)  # nothing known: nothing refused here
+    assert PoolFeatures.from_props({"polykv": {}}) == PoolFeatures(server_prefix=True)
+
+
+def test_share_leaves_p_to_a_server_that_computes_it_sync_and_async() -> None:
+    """A server whose /props has "polykv" gets shared_pool_slot alone (no /tokenize calls); /props is read
+    once per client."""
+    steps = [
+        ("/props", None),
+        ("/completion", {"prompt": "base, and more", "id_slot": 1, "shared_pool_slot": 1}),
+        ("/completion", {"prompt": "base, again", "shared_pool_slot": 0}),
+    ]
+    seen: list[tuple[str, object]] = []
+    with Client("http://srv", transport=pool_server(seen, NEW_PROPS)) as client:
+        assert client.share_for("base", "base, and more") == Share(0)
+        client.share("base", "base, and more", pool_slot=1, id_slot=1)
+        client.share("base", "base, again")
+        assert client.pool_features().pool_auto
+        assert client.pool_features(refresh=True).pool_slots == (0, 1)
+    assert seen == [*steps, ("/props", None)]
+
+    async def main() -> None:
+        async with AsyncClient("http://srv", transport=pool_server(seen, NEW_PROPS)) as client:
+            assert await client.share_for("base", "base, and more") == Share(0)
+            await client.share("base", "base, and more", pool_slot=1, id_slot=1)
+            await client.share("base", "base, again")
+            assert (await client.pool_features()).pool_auto_min_tokens == 64
+
+    seen.clear()
+    asyncio.run(main())
+    assert seen == steps
+
+
+def test_share_without_n_tokens_leaves_the_field_out() -> None:
+    assert Share(3).fields() == {"shared_pool_slot": 3}
+    assert Share(3, 10).fields() == {"shared_pool_slot": 3, "shared_prefix_n_tokens": 10}
 
 
 def test_async_failure_waits_for_the_exit_without_blocking_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,6 +12,7 @@ import pytest
 
 from polykv_py.client import AsyncClient
 from polykv_py.fanout import Agent, BaseContext, FanoutError, SharedContext
+from polykv_py.tokens import common_prefix_len
 
 TRAP = 9999  # a trailing "\n\n" alone is one token; followed by text it is two "\n" tokens
 
@@ -38,12 +39,17 @@ class FakeServer:
     agent_bodies: list[dict] = field(default_factory=list)
     fail_prompt: str | None = None
     stale: int = 0  # drop this many agent requests as a closed kept-alive connection would
+    server_prefix: bool = False  # a newer patch: /props has "polykv", P computed when not sent
+    pool_slots: tuple[int, ...] = ()  # reserved pools (a share must name one: else HTTP 400)
 
     def handler(self, request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content) if request.content else {}
         path = request.url.path
         if path == "/props":
-            return httpx.Response(200, json={"total_slots": self.slots})
+            props: dict[str, Any] = {"total_slots": self.slots}
+            if self.server_prefix:
+                props["polykv"] = {"pool_slots": list(self.pool_slots), "pool_auto": False, "pool_auto_min_tokens": 64}
+            return httpx.Response(200, json=props)
         if path == "/tokenize":
             return httpx.Response(200, json={"tokens": tokenize(body["content"])})
         if path == "/apply-template":
@@ -75,12 +81,19 @@ class FakeServer:
         p = body.get("shared_prefix_n_tokens", 0)
         sp: dict[str, Any] | None = None
         cached = 0
-        if "shared_pool_slot" in body and self.patched:
+        if self.pool_slots and body.get("shared_pool_slot", self.pool_slots[0]) not in self.pool_slots:
+            return httpx.Response(400, json={"error": {"message": "not a reserved pool slot", "code": 400}})
+        if self.evict_after is not None and len(self.agent_bodies) > self.evict_after:
+            self.pool.clear()
+            self.evict_after = None
+        auto = self.server_prefix and "shared_pool_slot" in body and "shared_prefix_n_tokens" not in body
+        if auto:
+            pool = self.pool.get(body["shared_pool_slot"]) or []
+            p = min(common_prefix_len(pool, tokens), len(tokens) - 1)
+            if p == 0:
+                sp = {"pool_slot": 0, "requested": None, "shared": 0, "status": "no_prefix", "auto": "prefix"}
+        if "shared_pool_slot" in body and self.patched and sp is None:
             pool = self.pool.get(body["shared_pool_slot"])
-            if self.evict_after is not None and len(self.agent_bodies) > self.evict_after:
-                self.pool.clear()
-                self.evict_after = None
-                pool = None
             if pool is None:
                 sp = {"pool_slot": 0, "requested": p, "shared": 0, "status": "not_resident"}
             elif pool[:p] != tokens[:p]:
@@ -88,6 +101,8 @@ class FakeServer:
             else:
                 sp = {"pool_slot": 0, "requested": p, "shared": p, "status": "hit"}
                 cached = p
+            if auto:
+                sp = {**sp, "requested": None, "auto": "prefix"}
         timings = {"prompt_n": len(tokens) - cached, "cache_n": cached, "predicted_n": 2}
         if chat:
             events: list[dict] = [
@@ -239,3 +254,49 @@ def test_a_server_that_is_gone_fails_the_run_and_the_next_run_primes_again() -> 
     assert sent_while_down == ["/completion", "/completion"]
     assert [p.reason for p in again.primes] == ["re-prime after server gone"]
     assert [a.status for a in again.agents] == ["hit"] * 4
+
+
+def test_a_server_that_computes_p_gets_the_pool_slot_alone() -> None:
+    server = FakeServer(server_prefix=True, pool_slots=(0,))
+    base = BaseContext.from_text("shared document\n\n")
+    _ctx, res = run(server, base, [Agent(f"question {i}") for i in range(3)])
+    assert all(b == {**b, "shared_pool_slot": 0} and "shared_prefix_n_tokens" not in b for b in server.agent_bodies)
+    n_base = len("shared document")  # the server's P: the "\n\n" token is not in the agents' prompts
+    for a in res.agents:
+        assert a.status == "hit" and a.shared_prefix and a.shared_prefix["auto"] == "prefix"
+        assert a.requested == a.shared == n_base  # the server's count
+        assert a.processed == a.n_prompt - n_base
+    assert res.prefix_tokens == n_base
+
+
+def test_server_prefix_false_sends_p_to_any_server() -> None:
+    server = FakeServer(server_prefix=True)
+    _ctx, res = run(server, BaseContext.from_text("doc "), [Agent("a")], server_prefix=False)
+    assert server.agent_bodies[0]["shared_prefix_n_tokens"] == 4
+    assert res.agents[0].status == "hit" and res.agents[0].requested == 4
+
+
+def test_a_pool_slot_the_server_does_not_reserve_is_refused_before_priming() -> None:
+    server = FakeServer(server_prefix=True, pool_slots=(0, 1))
+    with pytest.raises(FanoutError, match="slot 2 is not a reserved pool slot"):
+        run(server, BaseContext.from_text("doc "), [Agent("a")], pool_slot=2)
+    assert server.primes == [] and server.agent_bodies == []
+
+
+def test_with_the_servers_p_no_prefix_means_the_pool_is_gone() -> None:
+    server = FakeServer(server_prefix=True, evict_after=1)
+    _ctx, res = run(server, BaseContext.from_text("document "), [Agent(f"q{i}") for i in range(3)], concurrency=1)
+    assert [a.status for a in res.agents] == ["hit", "no_prefix", "hit"]
+    assert [p.reason for p in res.primes] == ["initial", "re-prime after no_prefix"]
+    assert res.agents[1].requested == 0 and res.agents[1].processed == res.agents[1].n_prompt
+
+
+def test_extra_body_leaves_p_to_a_server_that_computes_it() -> None:
+    server = FakeServer(server_prefix=True)
+
+    async def main() -> dict:
+        async with AsyncClient("http://fake", transport=httpx.MockTransport(server.handler)) as client:
+            ctx = SharedContext(client, BaseContext.from_text("doc\n\n"), pool_slot=2)
+            return await ctx.extra_body(Agent("q"))
+
+    assert asyncio.run(main()) == {"shared_pool_slot": 2}

@@ -8,9 +8,10 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from ..errors import PolykvError
-from ..presets import SERVE_DEFAULTS
+from ..presets import POOL_AUTO, SERVE_AGENT_SLOTS, SERVE_DEFAULTS
 
 log = logging.getLogger("polykv")
 
@@ -35,51 +36,35 @@ def _cmd_fetch_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _is_loopback(host: str) -> bool:
-    """True for an address only this machine can reach (127.0.0.0/8, ::1, localhost, a UNIX socket)."""
-    import ipaddress
-
-    if host == "localhost" or host.endswith(".sock"):
-        return True
-    try:
-        return all(ipaddress.ip_address(h.strip().strip("[]")).is_loopback for h in host.split(","))
-    except ValueError:
-        return False
-
-
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from ..models import resolve_model
-    from ..native import server_binary
-    from ..server import _redact
+    from ..serve import ServeOptions, serve
 
-    binary = server_binary("upstream" if args.upstream else "patched")
-    extra = list(args.server_args)
-    if extra[:1] == ["--"]:
-        extra = extra[1:]
-    cmd = [str(binary), "-m", str(resolve_model(args.model)), "--host", args.host, "--port", str(args.port)]
-    defaults = [] if args.no_defaults else list(SERVE_DEFAULTS)
-    if args.upstream:  # the reference server would parse --pool-slots (shared libllama-common) and ignore it
-        i = defaults.index("--pool-slots")
-        del defaults[i : i + 2]
-    cmd += defaults + extra
-    if args.api_key:
-        cmd += ["--api-key", args.api_key]
-    if not _is_loopback(args.host):
-        log.warning(
-            "binding %s: reachable from other machines%s",
-            args.host,
-            "" if args.api_key else " with no API key (anyone can prompt, prime and erase slots)",
-        )
-    log.info("exec %s", " ".join(_redact(cmd)))
-    sys.stdout.flush()
-    os.execv(cmd[0], cmd)
-    return 0  # pragma: no cover - execv does not return
+    opts = ServeOptions(
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        upstream=args.upstream,
+        no_defaults=args.no_defaults,
+        server_args=list(args.server_args),
+        pools=list(args.pools or []),
+        pool_salt=args.pool_salt,
+        pool_auto=args.pool_auto,
+        agent_slots=args.agent_slots,
+        log_dir=args.log_dir,
+    )
+    return serve(opts)
 
 
 def _cmd_gate(args: argparse.Namespace) -> int:
     from ..harness import gate
 
     return gate.run_from_args(args)
+
+
+def _pool_file(kind: str) -> Callable[[str], tuple[Any, str]]:
+    """argparse ``type`` that tags a pool file with how it is primed (keeps --pool and --pool-chat in order)."""
+    return lambda path: (kind, path)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,7 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("fetch-model", help="download and verify the default model into the cache")
     p.set_defaults(func=_cmd_fetch_model)
 
-    p = sub.add_parser("serve", help="run the patched llama-server with pool-friendly defaults")
+    p = sub.add_parser(
+        "serve",
+        help="run the patched llama-server with pool-friendly defaults, its pools primed",
+        description="Start the patched llama-server, prime one reserved pool slot per --pool/--pool-chat file "
+        "(slots 0, 1, ... in the order given), then print that it is ready and wait; SIGTERM/SIGINT stop it.",
+    )
     p.add_argument("--model", "-m", help="GGUF path (default: $POLYKV_MODEL or the default model)")
     p.add_argument(
         "--host",
@@ -104,6 +94,45 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("POLYKV_API_KEY"), help="require this API key")
     p.add_argument("--upstream", action="store_true", help="run the reference (unpatched) server instead")
     p.add_argument("--no-defaults", action="store_true", help=f"don't add {' '.join(SERVE_DEFAULTS)}")
+    p.add_argument(
+        "--pool",
+        dest="pools",
+        action="append",
+        type=_pool_file("text"),
+        metavar="FILE",
+        help="reserve a pool slot holding this file's text (completion prompts that start with it share it); "
+        "repeatable",
+    )
+    p.add_argument(
+        "--pool-chat",
+        dest="pools",
+        action="append",
+        type=_pool_file("chat"),
+        metavar="FILE",
+        help="reserve a pool slot holding the chat template's rendering of one system message with this file's "
+        "text (chat requests whose first message is that system message share it); repeatable",
+    )
+    p.add_argument("--pool-salt", metavar="SALT", help="prime the pools with cache_salt SALT: only requests "
+                   "with the same cache_salt share them")  # fmt: skip
+    auto = p.add_mutually_exclusive_group()
+    auto.add_argument(
+        "--pool-auto",
+        dest="pool_auto",
+        action="store_const",
+        const=True,
+        default=None,
+        help=f"add {POOL_AUTO} (plain requests share the pools; default: if the server knows it)",
+    )
+    auto.add_argument(
+        "--no-pool-auto",
+        dest="pool_auto",
+        action="store_const",
+        const=False,
+        help=f"don't add {POOL_AUTO}: only requests with shared_pool_slot share",
+    )
+    p.add_argument("--agent-slots", type=int, default=SERVE_AGENT_SLOTS,
+                   help=f"slots besides the pools (-np = pools + this; default {SERVE_AGENT_SLOTS})")  # fmt: skip
+    p.add_argument("--log-dir", help="directory for the llama-server log (default: a temporary directory)")
     p.add_argument("server_args", nargs=argparse.REMAINDER, help="more llama-server flags, after --")
     p.set_defaults(func=_cmd_serve)
 
@@ -129,6 +158,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
     )
+    if not args.verbose:
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)

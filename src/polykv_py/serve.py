@@ -1,0 +1,342 @@
+"""``polykv serve``: llama-server as a child process, its pools primed before it is announced ready.
+
+The launcher starts the patched server on the requested host and port with the pool
+defaults (:data:`~polykv_py.presets.SERVE_DEFAULTS`), reserves one pool slot per
+``--pool``/``--pool-chat`` file (slots 0..k-1, :func:`~polykv_py.presets.serve_pool_args`),
+adds ``--pool-auto`` when the binary knows it (so plain OpenAI-style requests share the
+pools), waits for ``/health``, primes every pool with a pinned request
+(:func:`prime_pools`), logs one line per pool, and only then prints that the server is
+ready. It then waits for the child: SIGTERM or SIGINT stop it gracefully (SIGTERM to its
+process group, SIGKILL after a grace period), and a child that dies on its own makes the
+launcher exit with the child's status and the tail of its log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any, Literal, TextIO
+
+from .client import Client
+from .errors import PolykvError, ServerError
+from .native import ServerKind, server_binary
+from .presets import POOL_AUTO, SERVE_AGENT_SLOTS, SERVE_DEFAULTS, serve_pool_args
+from .server import LlamaServer
+
+log = logging.getLogger("polykv.serve")
+
+#: How a pool file becomes the pool's prompt: as it is, or as a chat system message.
+PoolKind = Literal["text", "chat"]
+#: Seconds ``polykv serve`` waits for the model to load.
+SERVE_START_TIMEOUT = 600.0
+#: Seconds ``--help`` may take when probing the binary for a flag.
+HELP_TIMEOUT = 30.0
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """One reserved pool: its slot, the text it holds and where that came from.
+
+    ``kind="text"``: the pool holds the text as it is (completion prompts that start with it
+    share it); ``"chat"``: it holds the chat-template rendering of one system message whose
+    content is the text (chat requests whose first message is that system message share it).
+    """
+
+    slot: int
+    text: str
+    kind: PoolKind = "text"
+    source: str = ""
+
+    def prompt(self, client: Client) -> str:
+        """The prompt to prime: the text, or its rendering as a system message (no generation prompt)."""
+        if self.kind == "chat":
+            messages = [{"role": "system", "content": self.text}]
+            return client.apply_template(messages, add_generation_prompt=False)
+        return self.text
+
+
+@dataclass(frozen=True)
+class PrimedPool:
+    """A primed pool: its slot, where its text came from, its tokens and the seconds priming took."""
+
+    slot: int
+    source: str
+    n_tokens: int
+    seconds: float
+
+
+def load_pools(files: Sequence[tuple[PoolKind, str]]) -> list[PoolSpec]:
+    """One pool per ``(kind, path)``, in order, in slots 0, 1, ... (the files are read here)."""
+    pools = []
+    for slot, (kind, path) in enumerate(files):
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise PolykvError(f"cannot read pool file {path}: {exc}") from exc
+        if not text:
+            raise PolykvError(f"pool file {path} is empty")
+        pools.append(PoolSpec(slot, text, kind, path))
+    return pools
+
+
+def prime_pools(client: Client, pools: Sequence[PoolSpec], *, salt: str | None = None) -> list[PrimedPool]:
+    """Prime each pool with a pinned request (``Client.prime``: processed, nothing generated), in order.
+
+    ``salt`` is sent as ``cache_salt``: only requests with the same salt then share the pool.
+    Logs one line per pool.
+    """
+    params: dict[str, Any] = {"cache_salt": salt} if salt else {}
+    out = []
+    for pool in pools:
+        prompt = pool.prompt(client)
+        t0 = time.perf_counter()
+        answer = client.prime(prompt, pool.slot, **params)
+        seconds = time.perf_counter() - t0
+        n_tokens = int(answer.get("tokens_evaluated") or (answer.get("timings") or {}).get("prompt_n") or 0)
+        primed = PrimedPool(pool.slot, pool.source or f"pool {pool.slot}", n_tokens, seconds)
+        log.info(
+            "pool slot %d: %s (%s), %d tokens primed in %.2fs%s",
+            primed.slot,
+            primed.source,
+            pool.kind,
+            primed.n_tokens,
+            primed.seconds,
+            " (salted)" if salt else "",
+        )
+        out.append(primed)
+    return out
+
+
+def supports_flag(binary: str | os.PathLike[str], flag: str) -> bool:
+    """True when ``binary --help`` lists ``flag`` (a llama-server prints its flags without a model)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}
+    try:
+        proc = subprocess.run(
+            [str(binary), "--help"], capture_output=True, timeout=HELP_TIMEOUT, env=env, check=False, text=True
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.warning("could not ask %s for its flags: %s", binary, exc)
+        return False
+    return any(word.strip(",") == flag for word in (proc.stdout + proc.stderr).split())
+
+
+def is_loopback(host: str) -> bool:
+    """True for an address only this machine can reach (127.0.0.0/8, ::1, localhost, a UNIX socket)."""
+    import ipaddress
+
+    if host == "localhost" or host.endswith(".sock"):
+        return True
+    try:
+        return all(ipaddress.ip_address(h.strip().strip("[]")).is_loopback for h in host.split(","))
+    except ValueError:
+        return False
+
+
+def take_option(args: list[str], *names: str) -> str | None:
+    """Remove every ``NAME VALUE`` / ``NAME=VALUE`` of ``names`` from ``args``; the last value, or None."""
+    value = None
+    i = 0
+    while i < len(args):
+        name, eq, inline = args[i].partition("=")
+        if name in names:
+            if eq:
+                value = inline
+                del args[i]
+            elif i + 1 < len(args):
+                value = args[i + 1]
+                del args[i : i + 2]
+            else:
+                raise PolykvError(f"{name} needs a value")
+            continue
+        i += 1
+    return value
+
+
+@dataclass
+class ServeOptions:
+    """What ``polykv serve`` was asked for (the command line, parsed)."""
+
+    model: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None
+    upstream: bool = False
+    no_defaults: bool = False
+    server_args: list[str] = field(default_factory=list)
+    pools: list[tuple[PoolKind, str]] = field(default_factory=list)
+    pool_salt: str | None = None
+    pool_auto: bool | None = None  # None: when the binary knows --pool-auto
+    agent_slots: int = SERVE_AGENT_SLOTS
+    log_dir: str | None = None
+    start_timeout: float = SERVE_START_TIMEOUT
+
+
+def build_server(opts: ServeOptions) -> tuple[LlamaServer, list[PoolSpec]]:
+    """The server ``opts`` asks for (not started) and the pools to prime once it is up.
+
+    ``--host``, ``--port`` and ``--api-key`` given among the llama-server flags (after ``--``)
+    win over the launcher's own options, as they would on llama-server's command line, and
+    the launcher uses them too (to reach the server and prime its pools).
+    """
+    extra = list(opts.server_args)
+    if extra[:1] == ["--"]:
+        extra = extra[1:]
+    host = take_option(extra, "--host") or opts.host
+    port_text = take_option(extra, "--port")
+    api_key = take_option(extra, "--api-key") or opts.api_key or os.environ.get("LLAMA_ARG_API_KEY") or None
+    try:
+        port = int(port_text) if port_text is not None else opts.port
+    except ValueError:
+        raise PolykvError(f"--port must be an integer, not {port_text!r}") from None
+    if host.endswith(".sock"):
+        raise PolykvError("polykv serve reaches its server over TCP (health, pools): use llama-server for a socket")
+    pools = load_pools(opts.pools)
+    kind = ServerKind.UPSTREAM if opts.upstream else ServerKind.PATCHED
+    binary = server_binary(kind)
+    if opts.upstream and (pools or opts.pool_auto):
+        raise PolykvError("pools are polykv's (--pool-slots): the reference server (--upstream) has none")
+    if pools and any(a.split("=", 1)[0] == "--pool-slots" for a in extra):
+        raise PolykvError("--pool and --pool-chat reserve slots 0..k-1 themselves: drop --pool-slots")
+    if opts.pool_salt and not pools:
+        raise PolykvError("--pool-salt salts the pools primed from --pool/--pool-chat: give one")
+    args: list[str] = [] if opts.no_defaults else list(SERVE_DEFAULTS)
+    if not opts.upstream and (pools or not opts.no_defaults):
+        pool_auto = opts.pool_auto
+        if pool_auto is None:
+            pool_auto = supports_flag(binary, POOL_AUTO)
+            if not pool_auto:
+                log.info("%s has no %s: plain requests will not share the pools", binary.name, POOL_AUTO)
+        args += serve_pool_args(len(pools), opts.agent_slots, pool_auto=pool_auto and POOL_AUTO not in extra)
+    server = LlamaServer(
+        binary,
+        opts.model,
+        [*args, *extra],
+        kind=kind,
+        host=host,
+        port=port,
+        threads=None,  # -t is among the defaults, or the user's to give
+        metrics=False,  # likewise --metrics
+        api_key=api_key,
+        log_dir=opts.log_dir,
+        name="polykv-serve" if not opts.upstream else "polykv-serve-upstream",
+        start_timeout=opts.start_timeout,
+        inherit_llama_env=True,  # the user's LLAMA_ARG_* settings reach the server, as they did with exec
+    )
+    if not is_loopback(host):
+        log.warning(
+            "binding %s: reachable from other machines%s",
+            host,
+            "" if api_key else " with no API key (anyone can prompt, prime and erase slots)",
+        )
+    return server, pools
+
+
+class _Stop(Exception):  # noqa: N818 - a signal, not an error
+    """Raised in the main thread by SIGTERM or SIGINT."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[None]:
+    """SIGTERM and SIGINT raise :class:`_Stop` once (later ones are ignored while stopping)."""
+    raised = False
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        nonlocal raised
+        if raised:
+            log.info("%s: already stopping", signal.Signals(signum).name)
+            return
+        raised = True
+        raise _Stop(signum)
+
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, prev in old.items():
+            signal.signal(sig, prev)
+
+
+def exit_code(status: int | None) -> int:
+    """A process exit status as the launcher's own exit code (killed by signal N: 128 + N)."""
+    if status is None:
+        return 1
+    return 128 - status if status < 0 else status
+
+
+def supervise(
+    server: LlamaServer, pools: Sequence[PoolSpec], *, salt: str | None = None, out: TextIO | None = None
+) -> int:
+    """Start ``server``, prime ``pools``, say it is ready on ``out`` (stdout), and wait for it.
+
+    Returns the exit code: the child's status after a SIGTERM/SIGINT stopped it (0 when it
+    stopped cleanly) or after it died on its own (logged with its log tail), 1 when it could
+    not be started or primed.
+    """
+    out = out if out is not None else sys.stdout
+    with _stop_on_signals():
+        try:
+            return _run(server, pools, salt, out)
+        except _Stop as stop:
+            log.info("%s: stopping llama-server (pid %s)", stop, server.pid if server.is_alive() else "-")
+            status = server.stop()
+            log.info("llama-server stopped (exit status %s)", status)
+            return exit_code(status) if status else 0
+        finally:
+            if server.is_alive():
+                server.stop()
+
+
+def _run(server: LlamaServer, pools: Sequence[PoolSpec], salt: str | None, out: TextIO) -> int:
+    try:
+        server.start()
+    except ServerError as exc:
+        log.error("%s", exc)
+        return exit_code(exc.exit_status)
+    log.info("llama-server pid %d at %s, log %s", server.pid, server.url, server.log_path)
+    try:
+        prime_pools(server.client, pools, salt=salt)
+    except PolykvError as exc:
+        if server.is_alive():
+            log.error("priming the pools failed: %s", exc)
+            return 1
+        return _died(server)
+    print(
+        f"polykv serve: ready at {server.url}/v1 ({len(pools)} pool{'s' * (len(pools) != 1)} primed; "
+        f"llama-server log: {server.log_path})",
+        file=out,
+        flush=True,
+    )
+    server.wait()
+    return _died(server)
+
+
+def _died(server: LlamaServer) -> int:
+    status = server.wait(timeout=5.0)
+    tail = server.log_tail()
+    server.stop()  # reap what is left of its group, close the log
+    log.log(
+        logging.ERROR if status else logging.WARNING,
+        "llama-server exited on its own with status %s%s",
+        status,
+        f"\n--- server log tail ---\n{tail}" if tail else "",
+    )
+    return exit_code(status) if status else 0
+
+
+def serve(opts: ServeOptions, out: TextIO | None = None) -> int:
+    """``polykv serve``: build the server, start it, prime its pools, wait. Returns the exit code."""
+    server, pools = build_server(opts)
+    return supervise(server, pools, salt=opts.pool_salt, out=out)

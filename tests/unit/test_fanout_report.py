@@ -127,7 +127,7 @@ def test_bench_markdown_headline(tmp_path: Path) -> None:
     assert "round 2 (a new question each): 3.00x faster than the best stock system" in md
     assert "vs stock, its defaults (KV streams): wall 6.00x" in md
     assert "best stock: stock_queued" in md
-    assert "| 2,048 | 8 | stock at the sharing KV budget, agents queued |" in md
+    assert "| 2,048 | 8 | stock at the sharing KV budget, queued |" in md
     assert "target P+N*S = 2,560" in md
     assert "largest N that fit = 128, smallest that failed = 129" in md
     assert "engine skipped" in md

@@ -20,6 +20,8 @@ def test_every_stock_mode_is_the_pristine_server_and_polykv_modes_share() -> Non
     assert SYSTEMS["stock"].flags == ()  # upstream's own defaults, nothing added
     assert SYSTEMS["patched"].unified and not SYSTEMS["copied"].unified
     assert SYSTEMS["patched"].share and SYSTEMS["copied"].share
+    # drop-in: the server holds the pool, the agents send plain requests
+    assert SYSTEMS["dropin"].pool and not SYSTEMS["dropin"].share and "--pool-auto" in SYSTEMS["dropin"].flags
 
 
 def test_best_stock_names_the_fastest_stock_system_only() -> None:

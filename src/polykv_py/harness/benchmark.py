@@ -180,7 +180,7 @@ def cell_budget(system: str, n: int, p: int, s: int, g: int) -> tuple[int, int, 
     if spec.budget == "copies":
         return ctx_for(n, p, s, g), n + 1, n
     cells, slots = matched_budget(n, p, s, g)
-    return (cells, n + 1, n) if spec.share else (cells, slots, slots)
+    return (cells, n + 1, n) if spec.pool else (cells, slots, slots)
 
 
 def make_inputs(server: LlamaServer, p: int, n: int, s: int, rounds: int = 1) -> tuple[str, list[list[str]]]:
@@ -330,7 +330,7 @@ def capacity_probe(system: str, cfg: BenchConfig, deadline: float) -> Json:
     maximum and one agent more, so a report says what happens past the prediction.
     """
     c_cells, p = cfg.capacity_ctx, cfg.capacity_p
-    share = SERVER_SYSTEMS[system].share
+    share = SERVER_SYSTEMS[system].pool
     per_agent = p + cfg.suffix + cfg.gen
     predicted = (c_cells - p) // (cfg.suffix + cfg.gen) if share else c_cells // per_agent
     predicted = max(1, min(predicted, cfg.capacity_max))
@@ -356,7 +356,7 @@ def capacity_probe(system: str, cfg: BenchConfig, deadline: float) -> Json:
             async with AsyncClient(
                 server.url, server=server, timeout=cfg.capacity_timeout + 60, max_connections=slots + 8
             ) as client:  # every agent in flight at once
-                sc = SharedContext(client, BaseContext.from_text(base), share=share)
+                sc = SharedContext(client, BaseContext.from_text(base), share=SERVER_SYSTEMS[system].share)
                 kv = KVCellsLog(server.log_path)
                 if share:
                     await sc.prime()

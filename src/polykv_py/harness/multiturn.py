@@ -81,7 +81,7 @@ def budget(system: System, cfg: TurnsConfig) -> tuple[int, int]:
     whole = cfg.p + own
     if system.budget == "shared":
         cells = _round_up(cfg.p + cfg.n * own + 64, 256)
-        slots = cfg.n + 1 if system.share else max(1, min(cfg.n, cells // whole))
+        slots = cfg.n + 1 if system.pool else max(1, min(cfg.n, cells // whole))
         return cells, slots
     per_slot = _round_up(whole, 256)
     return (cfg.n + 1) * per_slot, cfg.n + 1
@@ -141,7 +141,7 @@ def run_cell(system_name: str, cfg: TurnsConfig, base: str) -> dict[str, Any]:
     """All turns of one system, on a fresh server."""
     system = SYSTEMS[system_name]
     cells, slots = budget(system, cfg)
-    concurrency = slots - 1 if system.share else slots
+    concurrency = slots - 1 if system.pool else slots
     server = start_system_server(
         system, slots, cells, model=cfg.model, threads=cfg.threads, name=f"turns-{system.name}"
     )

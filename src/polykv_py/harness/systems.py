@@ -18,7 +18,9 @@ and polykv's two modes:
 
 - ``patched``: unified KV, a reserved pool slot primed once, every agent shares its cells;
 - ``copied``: the patched server without ``-kvu`` (one stream per slot): a share copies the
-  pool's whole stream and trims it (status ``copied``), so compute is saved, memory is not.
+  pool's whole stream and trims it (status ``copied``), so compute is saved, memory is not;
+- ``dropin``: ``patched`` with ``--pool-auto``, and agents that send plain requests (no pool
+  field): the server finds the pool and the prefix itself, as for any OpenAI client.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ Budget = Literal["copies", "shared"]
 
 #: The stock server's reuse switches for a shared base (host cache, idle caching, similarity).
 _STOCK_REUSE = ("--cache-ram", "8192", "--cache-idle-slots", "--slot-prompt-similarity", "0.1")
+#: polykv's pool recipe: unified KV, idle slots kept resident, no host cache, slot 0 reserved for the pool.
+_POOL = ("-kvu", NO_CLEAR_IDLE, "--cache-ram", "0", "--pool-slots", "0")
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,7 @@ class System:
     prime: bool  # the base is sent once before the agents
     budget: Budget  # "copies": room for every agent's own copy; "shared": the sharing budget, agents queue
     label: str
+    pool: bool = False  # the server holds the base in a reserved pool slot (agents never run there)
 
     @property
     def stock(self) -> bool:
@@ -59,47 +64,17 @@ class System:
         return "-kvu" in self.flags
 
 
+_UP, _PATCHED = ServerKind.UPSTREAM, ServerKind.PATCHED
 SYSTEMS: dict[str, System] = {
     s.name: s
     for s in (
-        System("stock", ServerKind.UPSTREAM, (), False, False, "copies", "stock, its defaults (KV streams)"),
-        System("stock_kvu", ServerKind.UPSTREAM, ("-kvu",), False, False, "copies", "stock, -kvu"),
-        System(
-            "stock_cache",
-            ServerKind.UPSTREAM,
-            _STOCK_REUSE,
-            False,
-            True,
-            "copies",
-            "stock, host cache + similarity, base sent first",
-        ),
-        System(
-            "stock_queued",
-            ServerKind.UPSTREAM,
-            _STOCK_REUSE,
-            False,
-            True,
-            "shared",
-            "stock at the sharing KV budget, agents queued",
-        ),
-        System(
-            "patched",
-            ServerKind.PATCHED,
-            ("-kvu", NO_CLEAR_IDLE, "--cache-ram", "0", "--pool-slots", "0"),
-            True,
-            True,
-            "shared",
-            "polykv, pool shared (-kvu)",
-        ),
-        System(
-            "copied",
-            ServerKind.PATCHED,
-            (NO_CLEAR_IDLE, "--cache-ram", "0", "--pool-slots", "0"),
-            True,
-            True,
-            "copies",
-            "polykv without -kvu (pool copied per agent)",
-        ),
+        System("stock", _UP, (), False, False, "copies", "stock, its defaults (KV streams)"),
+        System("stock_kvu", _UP, ("-kvu",), False, False, "copies", "stock, -kvu"),
+        System("stock_cache", _UP, _STOCK_REUSE, False, True, "copies", "stock, host cache + similarity, base first"),
+        System("stock_queued", _UP, _STOCK_REUSE, False, True, "shared", "stock at the sharing KV budget, queued"),
+        System("patched", _PATCHED, _POOL, True, True, "shared", "polykv, pool shared (-kvu)", pool=True),
+        System("copied", _PATCHED, _POOL[1:], True, True, "copies", "polykv without -kvu (pool copied)", pool=True),
+        System("dropin", _PATCHED, (*_POOL, "--pool-auto"), False, True, "shared", "polykv drop-in", pool=True),
     )
 }
 #: The stock systems, whose fastest per cell is "best stock".

@@ -22,6 +22,7 @@ import pytest
 from polykv_py.client import Client, Share
 from polykv_py.errors import HTTPError
 from polykv_py.harness.answers import compare
+from polykv_py.harness.compare import LAYOUT, compare_greedy
 from polykv_py.presets import NO_CACHE_IDLE, NO_CLEAR_IDLE, UNIFIED_KV, pool_server, reference_server, slots_args
 from polykv_py.server import LlamaServer
 
@@ -78,6 +79,11 @@ QUESTIONS = [
 
 def erase_all(c: Client) -> None:
     for s in range(N_SLOTS):
+        c.erase_slot(s)
+
+
+def erase_all_but_pool(c: Client) -> None:
+    for s in range(1, N_SLOTS):
         c.erase_slot(s)
 
 
@@ -169,12 +175,14 @@ def test_whole_prompt_shared_evaluates_one_token(pc: Client) -> None:
 
 
 def test_pool_longer_than_p_and_fan_out(pc: Client) -> None:
+    """Concurrent unpinned sharers of a pool that holds more than P: each hits (or reuses its slot's copy) and
+    answers like it does alone (compare_greedy with LAYOUT margins: concurrent cells sit elsewhere)."""
     pc.completion(BASE, id_slot=0, n_predict=4, temperature=0)  # the pool holds BASE + 4 generated tokens
     p = pc.shared_prefix_len(BASE, BASE + QUESTIONS[0])
     results: list[dict[str, Any]] = [{} for _ in QUESTIONS]
 
     def run(i: int) -> None:  # unpinned: must not land on the pool slot
-        results[i] = share(pc, BASE + QUESTIONS[i], p, slot=None)
+        results[i] = share(pc, BASE + QUESTIONS[i], p, slot=None, ignore_eos=True)  # 12 tokens to compare
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(QUESTIONS))]
     for t in threads:
@@ -187,6 +195,12 @@ def test_pool_longer_than_p_and_fan_out(pc: Client) -> None:
         assert r["shared_prefix"]["status"] in ("hit", "own_cache")
         assert r["shared_prefix"]["shared"] == (p if r["shared_prefix"]["status"] == "hit" else 0)
     assert sum(r["shared_prefix"]["status"] == "hit" for r in results) >= 1
+    for i, together in enumerate(results):
+        erase_all_but_pool(pc)
+        alone = share(pc, BASE + QUESTIONS[i], p, ignore_eos=True)
+        assert alone["shared_prefix"]["status"] == "hit"
+        cmp = compare_greedy(alone, together, margins=LAYOUT)
+        assert cmp.ok, f"question {i}: {cmp.detail}"
 
 
 # ------------------------------------------------------------------------------ refusals
@@ -264,6 +278,12 @@ def test_pool_busy(pc: Client) -> None:
         busy.join()
     assert got["shared_prefix"]["status"] == "pool_busy"
     assert got["timings"]["prompt_n"] == len(pc.prompt_tokens(prompt))
+    # refused: the upstream path, so the same request without the fields, alone on an empty slot, answers alike
+    # (LAYOUT margins: the busy pool's story was computed in the same batches)
+    pc.erase_slot(1)
+    alone = pc.completion(prompt, id_slot=1, **GEN)
+    cmp = compare_greedy(alone, got, margins=LAYOUT)
+    assert cmp.ok, cmp.detail
 
 
 # ------------------------------------------------------------------------------ invalid input
@@ -412,7 +432,9 @@ def test_non_unified_kv_copies_whole_sequence(
         assert got["shared_prefix"] == {"pool_slot": 0, "requested": p, "shared": p, "status": "copied"}
         assert got["timings"]["prompt_n"] == len(c.prompt_tokens(prompt)) - p
         for slot in (2, 3):  # more sharers, and a bad P: the server must survive all of them
-            assert share(c, prompt, p, slot=slot)["shared_prefix"]["status"] == "copied"
+            more = share(c, prompt, p, slot=slot)
+            assert more["shared_prefix"]["status"] == "copied"
+            same_answer(more, got)  # each slot's own stream, copied from the pool's: the same layout, bit-exact
         assert share(c, prompt, p + 1, slot=1)["shared_prefix"]["status"] in ("own_cache", "mismatch")
         assert srv.is_alive() and srv.health_state() == "ok"
     with start(upstream_server_bin, model_path, [NO_CACHE_IDLE], logs, "upstream-streams") as srv:

@@ -117,3 +117,28 @@ def test_reprime_when_the_pool_is_not_resident(server: LlamaServer) -> None:
         assert a.processed == (a.n_prompt - a.requested if a.status == "hit" else a.n_prompt)
     assert [a.status for a in again.agents] == ["hit"] * 3, again.statuses
     assert again.primes == []
+
+
+def test_the_server_computes_p_and_agrees_with_the_client(server: LlamaServer) -> None:
+    """pool_server reserves its pool, so a patched server that computes P says so in /props: the fan-out then
+    sends shared_pool_slot alone, and the server's P is the one the client computes (server_prefix=False)."""
+    base = BaseContext.from_text(base_text())
+    agents = completion_agents()[:2]
+
+    async def main() -> tuple[FanoutResult, FanoutResult, bool]:
+        async with AsyncClient(server.url, server=server) as client:
+            runs = []
+            for server_prefix in (None, False):
+                for slot in range(1, 4):  # no agent slot's own cache in the way
+                    await client.erase_slot(slot)
+                runs.append(await SharedContext(client, base, server_prefix=server_prefix).run(agents))
+            return runs[0], runs[1], (await client.pool_features()).server_prefix
+
+    auto, sent, offered = asyncio.run(main())
+    assert offered, "this patched server does not announce polykv in /props"
+    for a, s in zip(auto.agents, sent.agents, strict=True):
+        assert a.status == s.status == "hit", (a.shared_prefix, s.shared_prefix)
+        assert a.shared_prefix is not None and a.shared_prefix["auto"] == "prefix"
+        assert a.shared_prefix["requested"] is None
+        assert s.shared_prefix is not None and s.shared_prefix["requested"] == s.requested
+        assert a.requested == a.shared == s.shared == s.requested

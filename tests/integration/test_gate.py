@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,13 @@ from polykv_py.harness.gate import GateConfig, main, run_gate
 pytestmark = pytest.mark.integration
 
 
-def test_gate_passes(patched_server_bin: Path, upstream_server_bin: Path, model_path: Path, tmp_path: Path) -> None:
+def test_gate_passes(
+    patched_server_bin: Path,
+    upstream_server_bin: Path,
+    model_path: Path,
+    tmp_path: Path,
+    record_property: Callable[[str, object], None],
+) -> None:
     cfg = GateConfig(
         model=model_path,
         patched_bin=patched_server_bin,
@@ -31,6 +38,13 @@ def test_gate_passes(patched_server_bin: Path, upstream_server_bin: Path, model_
     # trap 1: P comes from the tokenized full prompts, not from the base tokenized alone
     assert all(p < share["info"]["base_tokens_alone"] for p in share["info"]["shared_prefix_p"])
     assert all(c["shared_prefix"]["status"] == "hit" for c in share["cases"])
+    # the concurrent sharers hit, and the two greedy ones answered like each alone (LAYOUT margins: identical
+    # or a near tie); the seeded one is compared byte for byte in the exact phase only
+    together = share["info"]["together"]
+    record_property("together_vs_alone", together["vs_alone"])
+    assert [c["shared_prefix"]["status"] for c in together["cases"]] == ["hit"] * 3
+    assert [c["vs_alone"] in ("identical", "near_tie") for c in together["cases"]] == [True, False, True], together
+    assert together["vs_alone"]["not_compared_sampled"] == 1 and together["vs_alone"]["different"] == 0
     assert all(c["shared_prefix"]["status"] == "not_resident" for c in report["checks"]["fallback_miss"]["cases"])
 
 

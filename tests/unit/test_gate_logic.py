@@ -86,9 +86,32 @@ def test_verdict_hit() -> None:
     assert _sharer_verdict(hit, sharer(), "hit")[0]
     hit["timings"] = {"prompt_n": 120}
     ok, why, _ = _sharer_verdict(hit, sharer(), "hit")
-    assert not ok and "expected n_prompt - P = 20" in why
-    full = {"shared_prefix": {"requested": 120, "shared": 120, "status": "hit"}, "timings": {"prompt_n": 1}}
-    assert _sharer_verdict(full, sharer(120, 120), "hit")[0]  # at-least-one-token rule
+    assert not ok and "expected n_prompt - shared = 20" in why
+    hit["timings"] = {"prompt_n": 20}
+    hit["shared_prefix"]["shared"] = 99  # type: ignore[index]
+    ok, why, _ = _sharer_verdict(hit, sharer(), "hit")
+    assert not ok and "expected requested=100 shared=100" in why
+
+
+def test_verdict_whole_prompt_share_reports_p_minus_one() -> None:
+    """P == n_prompt: the server recomputes the last prompt token for its logits, so it reports shared = P - 1
+    and processes one token (docs/shared-prefix.md "Response field"; server-polykv.cpp polykv_share_run)."""
+    sent = {
+        "shared_prefix": {"pool_slot": 0, "requested": 120, "shared": 119, "status": "hit"},
+        "timings": {"prompt_n": 1},
+    }
+    ok, why, _ = _sharer_verdict(sent, sharer(120, 120), "hit")
+    assert ok and why == "hit, shared 119, processed 1 = 120 - 119"
+    # the shape the server never sends at a whole-prompt share
+    never = {
+        "shared_prefix": {"pool_slot": 0, "requested": 120, "shared": 120, "status": "hit"},
+        "timings": {"prompt_n": 1},
+    }
+    ok, why, _ = _sharer_verdict(never, sharer(120, 120), "hit")
+    assert not ok and "shared=120, expected requested=120 shared=119" in why
+    sent["timings"] = {"prompt_n": 0}
+    ok, why, _ = _sharer_verdict(sent, sharer(120, 120), "hit")
+    assert not ok and "expected n_prompt - shared = 1" in why
 
 
 def test_verdict_missing_field_and_miss() -> None:

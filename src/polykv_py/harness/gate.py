@@ -9,6 +9,9 @@
    *tokenized* pool prompt and the tokenized full prompt.  Each must report a hit,
    process only ``n_prompt - P`` tokens, and answer byte-identically to the reference
    server answering the same request from its own cache after the same priming request.
+   Sent all at once, each must hit too, and each greedy one answer like it did alone
+   (:func:`~polykv_py.harness.compare.compare_greedy`, :data:`~polykv_py.harness.compare.LAYOUT`
+   margins: identical or a near tie, never different).
 3. ``fallback_miss``: boot without ``--no-clear-idle`` (upstream idle-slot caching,
    ``-kvu``): the pool is evicted, each sharer reports ``not_resident``, re-processes
    its whole prompt, and answers byte-identically to the reference server given the
@@ -42,6 +45,7 @@ from ..presets import NO_CACHE_IDLE, NO_CLEAR_IDLE, UNIFIED_KV, slots_args
 from ..server import LlamaServer
 from ..tokens import common_prefix_len
 from .answers import SHARE_FIELDS, VOLATILE_FIELDS, Answer, compare
+from .compare import LAYOUT, compare_greedy
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +55,9 @@ CHECKS = ("default_output", "share_hit", "fallback_miss")
 
 POOL_SLOT = 0
 N_SLOTS = 4
+#: The comparator's verdicts (:mod:`polykv_py.harness.compare`), and what a sampled sharer gets instead.
+COMPARE_VERDICTS = ("identical", "near_tie", "different")
+NOT_COMPARED = "not_compared_sampled"
 
 PROMPTS = (
     "The three most important rules for writing maintainable software are",
@@ -85,7 +92,7 @@ class GateConfig:
     threads: int = 2
     ctx: int = 8192
     n_predict: int = 16
-    n_probs: int = 5
+    n_probs: int = 5  # sharers ask for at least 2: the together-vs-alone comparison needs the runner-up
     base_tokens: int = 1200
     n_sharers: int = 3
     log_dir: Path | None = None
@@ -312,7 +319,7 @@ def make_sharers(client: Client, base: str, cfg: GateConfig) -> tuple[list[Share
         body = {
             "prompt": prompt,
             "n_predict": cfg.n_predict,
-            "n_probs": cfg.n_probs,
+            "n_probs": max(cfg.n_probs, 2),
             "id_slot": slot,
             **samplings[i % len(samplings)],
         }
@@ -434,16 +441,21 @@ def _sharer_verdict(answer: Json, sharer: Sharer, expect: str) -> tuple[bool, st
     if sp.get("status") != expect:
         return False, f"shared_prefix.status is {sp.get('status')!r}, expected {expect!r} ({sp})", got
     if expect == "hit":
-        if sp.get("shared") != sharer.p or sp.get("requested") != sharer.p:
+        # P covering the whole prompt: the server recomputes the last token for its logits and reports P - 1
+        shared = sharer.p - 1 if sharer.p >= sharer.n_prompt else sharer.p
+        if sp.get("shared") != shared or sp.get("requested") != sharer.p:
             return (
                 False,
-                (f"shared_prefix reports requested={sp.get('requested')} shared={sp.get('shared')}, P={sharer.p}"),
+                (
+                    f"shared_prefix reports requested={sp.get('requested')} shared={sp.get('shared')}, "
+                    f"expected requested={sharer.p} shared={shared} (P={sharer.p}, n_prompt={sharer.n_prompt})"
+                ),
                 got,
             )
-        want = max(sharer.n_prompt - sharer.p, 1)
+        want = sharer.n_prompt - shared
         if prompt_n != want:
-            return False, f"processed {prompt_n} prompt tokens, expected n_prompt - P = {want}", got
-        return True, f"hit, shared {sharer.p}, processed {prompt_n} = {sharer.n_prompt} - {sharer.p}", got
+            return False, f"processed {prompt_n} prompt tokens, expected n_prompt - shared = {want}", got
+        return True, f"hit, shared {shared}, processed {prompt_n} = {sharer.n_prompt} - {shared}", got
     if prompt_n != sharer.n_prompt:
         return False, f"processed {prompt_n} prompt tokens, expected the full prompt ({sharer.n_prompt})", got
     return True, f"miss reported ({expect}), full prompt of {prompt_n} tokens re-processed", got
@@ -473,7 +485,12 @@ def check_share_hit(servers: _Servers) -> CheckResult:
     """Sharers hit one pool together, and each is exact against the reference's own-cache answer.
 
     Two phases.  *Together*: one server, the pool primed once, all sharers sent at
-    once; each must hit and process only ``n_prompt - P`` tokens.  *Exact*: for each
+    once; each must hit and process only ``n_prompt - P`` tokens, and each greedy one
+    answer like it does alone in the next phase: :func:`~polykv_py.harness.compare.compare_greedy`
+    with the :data:`~polykv_py.harness.compare.LAYOUT` margins (concurrent sharers' cells sit
+    elsewhere, so rounding may differ), identical or a near tie (a seeded sampler turns such
+    rounding into another token whenever its draw falls near a boundary: the sampled sharer is
+    compared byte for byte in the next phase only).  *Exact*: for each
     sharer a fresh share server (prime the pool, send the sharer) and a fresh
     reference server (prime slot s, send the same request to slot s), so that both
     lay the request's KV cells out the same way: on this tree the CPU flash-attention
@@ -506,11 +523,12 @@ def check_share_hit(servers: _Servers) -> CheckResult:
     together_cases = []
     for s in sharers:
         ok, why, got = _sharer_verdict(final_of(together[s.with_pool().name], "/completion"), s, "hit")
-        together_cases.append({"name": s.case.name, "ok": ok, "status_check": why, **got})
+        together_cases.append({"name": s.case.name, "ok": ok, "status_ok": ok, "status_check": why, **got})
         log.info("  together %s: %s", s.case.name, why)
     res.info["together"] = {"n_sharers": len(sharers), "health_after": health, "cases": together_cases}
 
     # phase 2: each sharer against the reference, like-for-like
+    alone: dict[int, Json] = {}
     for s in sharers:
         with servers.start(kind, args, f"share-{kind}-{s.index}") as srv:
             srv.client.prime(base, POOL_SLOT)
@@ -521,6 +539,7 @@ def check_share_hit(servers: _Servers) -> CheckResult:
             own_raw = send(ref.client, s.case)
             ref_fresh = final_of(send(ref.client, s.fresh()), "/completion") if cfg.fresh_info else {}
         mine, own = final_of(mine_raw, "/completion"), final_of(own_raw, "/completion")
+        alone[s.index] = mine
         case = _sharer_case(s, _sharer_verdict(mine, s, "hit"), mine_raw, own_raw, "identical_to_reference_own_cache")
         info = {
             "share_server_first_token_max_logprob_diff": first_token_logprob_diff(mine, mine_fresh),
@@ -539,23 +558,44 @@ def check_share_hit(servers: _Servers) -> CheckResult:
             info["reference_first_token_max_logprob_diff"],
         )
 
+    # the together phase's greedy answers against each sharer's answer alone
+    for s, tc in zip(sharers, together_cases, strict=True):
+        if s.body.get("temperature"):
+            # a seeded draw near a boundary of the cumulative distribution picks another token when the
+            # probabilities move by layout rounding, so a sampled answer is compared byte for byte only in the
+            # same layout (phase 2), not here
+            tc.update(vs_alone=NOT_COMPARED, vs_alone_max_drift=None, vs_alone_detail="sampled: not compared")
+            continue
+        cmp = compare_greedy(alone[s.index], final_of(together[s.with_pool().name], "/completion"), margins=LAYOUT)
+        tc.update(vs_alone=cmp.verdict, vs_alone_max_drift=round(cmp.max_drift, 4), vs_alone_detail=cmp.detail)
+        tc["ok"] = tc["status_ok"] and cmp.ok
+        log.info("  together %s vs alone: %s (%s)", s.case.name, cmp.verdict, cmp.detail)
+    verdicts = [tc["vs_alone"] for tc in together_cases]
+    res.info["together"]["vs_alone"] = {v: verdicts.count(v) for v in (*COMPARE_VERDICTS, NOT_COMPARED)} | {
+        "max_drift": max((d for tc in together_cases if (d := tc["vs_alone_max_drift"]) is not None), default=0.0)
+    }
+
     bad_together = [c for c in together_cases if not c["ok"]]
     bad = [c for c in res.cases if not c["ok"]]
     res.ok = not bad and not bad_together and health == "ok"
     if bad_together:
-        res.summary = (
-            f"{len(bad_together)}/{len(sharers)} sharers failed on the shared pool; "
-            f"{bad_together[0]['name']}: {bad_together[0]['status_check']}"
+        first = bad_together[0]
+        why = (
+            first["status_check"]
+            if not first["status_ok"]
+            else f"answer differs from alone: {first['vs_alone_detail']}"
         )
+        res.summary = f"{len(bad_together)}/{len(sharers)} sharers failed on the shared pool; {first['name']}: {why}"
     elif health != "ok":
         res.summary = f"the {kind} server is {health} after the sharers"
     elif bad:
         res.summary = _failed_sharers(bad, len(res.cases), " against the reference")
     else:
         res.summary = (
-            f"{len(sharers)} concurrent sharers hit one pool (P={[s.p for s in sharers]}) and processed "
-            f"only n_prompt - P tokens; each answered byte-identically to the reference server's "
-            f"own-cache answer"
+            f"{len(sharers)} concurrent sharers hit one pool (P={[s.p for s in sharers]}), processed "
+            f"only n_prompt - P tokens, and the greedy ones answered like each alone ({verdicts.count('identical')} "
+            f"identical, {verdicts.count('near_tie')} near tie); each alone answered byte-identically to the "
+            f"reference server's own-cache answer"
         )
     return res
 

@@ -6,9 +6,11 @@ re-primes the pool (a cached prompt: one token is evaluated), so what the server
 exactly, and the tests compare it with a model of the patch's decision order (docs/shared-prefix.md):
 
     no shared_prefix field       shared_pool_slot absent, null or -1
+    400 naming the field         shared_pool_slot names a slot that --pool-slots does not reserve
     skipped                      the prompt has no tokens
-    no_prefix                    min(P, n_prompt) == 0
+    no_prefix                    min(P, n_prompt) == 0 (P not given: nothing in common)
     self                         the request runs on the pool slot itself
+    mismatch (common)            P not given: fewer than 64 tokens in common, covering neither side
     pool_busy                    the pool slot is processing
     not_resident                 the pool does not hold min(P, n_prompt) tokens (slots 1-3 are erased)
     mismatch (common)            the pool's tokens [0, P) differ from the prompt's
@@ -55,6 +57,7 @@ N_SLOTS = 4
 POOL = 0
 SHARER = 1  # every sharer is pinned here, erased before each example (its own cache is empty)
 INT32_MAX = 2**31 - 1
+AUTO_MIN = 64  # --pool-auto-min-tokens default: automatic P on a named pool needs this much in common
 FIELDS = ("shared_pool_slot", "shared_prefix_n_tokens")
 ENDPOINTS = ("/completion", "/v1/completions", "/v1/chat/completions")
 BASE = "Pool notes: the red kite nests by the mill, and the old bridge was rebuilt in 1843.\n"
@@ -162,7 +165,8 @@ def write_summary(path: Path, entries: dict[str, Any]) -> None:
 
 
 def valid_pool_slot(v: Any) -> bool:
-    return v is None or (type(v) is int and -1 <= v <= N_SLOTS - 1)
+    # with --pool-slots only the reserved slot may be named (patch 0074): slots 1-3 are a 400 too
+    return v is None or (type(v) is int and v in (-1, POOL))
 
 
 def valid_prefix(v: Any) -> bool:
@@ -172,24 +176,38 @@ def valid_prefix(v: Any) -> bool:
 def expected_share(
     pool: list[int], prompt: list[int], pool_slot: int | None, p: int | None, slot: int, busy: bool = False
 ) -> dict[str, Any] | None:
-    """What the patched server reports, given that slots 1-3 are erased and the pool holds ``pool``."""
+    """What the patched server reports, given that slots 1-3 are erased and the pool holds ``pool``.
+
+    ``p`` None: P not given, so the server computes it (patch 0074): the common prefix, capped at
+    ``len(prompt) - 1``; fewer than AUTO_MIN tokens in common that do not cover the pool or the prompt
+    is a mismatch (the pool holds another base).
+    """
     if pool_slot is None or pool_slot < 0:
         return None
-    out: dict[str, Any] = {"pool_slot": pool_slot, "requested": p or 0, "shared": 0}
-    n_req = min(p or 0, len(prompt))
+    auto = p is None
+    out: dict[str, Any] = {"pool_slot": pool_slot, "requested": None if auto else p, "shared": 0}
+    if auto:
+        out["auto"] = "prefix"
     if not prompt:
         return out | {"status": "skipped"}
-    if n_req <= 0:
-        return out | {"status": "no_prefix"}
+    common = common_prefix_len(pool, prompt)
+    if auto:
+        n_req = min(common, len(prompt) - 1)
+    else:
+        n_req = min(p or 0, len(prompt))
+        if n_req <= 0:
+            return out | {"status": "no_prefix"}
     if pool_slot == slot:
         return out | {"status": "self"}
-    if pool_slot != POOL:
-        return out | {"status": "not_resident"}  # an erased slot
+    if auto:
+        if n_req <= 0:
+            return out | {"status": "no_prefix"}
+        if common < AUTO_MIN and common < len(pool) - 1 and common < len(prompt) - 1:
+            return out | {"status": "mismatch", "common": common}
     if busy:
         return out | {"status": "pool_busy"}
     if n_req > len(pool):
         return out | {"status": "not_resident"}
-    common = common_prefix_len(pool, prompt)
     if common < n_req:
         return out | {"status": "mismatch", "common": common}
     return out | {"status": "hit", "shared": n_req - 1 if n_req == len(prompt) else n_req}
@@ -348,14 +366,15 @@ def test_prompt_matching_the_pool_for_p_minus_1_tokens_is_a_mismatch(pool: Pool,
 
 
 @common_settings(20)
-@given(slot=st.integers(0, N_SLOTS - 1), suffix=SUFFIX, p=st.one_of(st.integers(1, 64), st.integers(1, INT32_MAX)))
-def test_pool_equal_to_own_slot_is_self(pool: Pool, slot: int, suffix: str, p: int) -> None:
-    """id_slot == shared_pool_slot: the request uses that slot's own cache and shares nothing."""
+@given(suffix=SUFFIX, p=st.one_of(st.none(), st.integers(1, 64), st.integers(1, INT32_MAX)))
+def test_pool_equal_to_own_slot_is_self(pool: Pool, suffix: str, p: int | None) -> None:
+    """id_slot == shared_pool_slot (a request pinned to the pool, the only slot it may name): the
+    request uses that slot's own cache and shares nothing."""
     pool.reset()
     body = request_body(
-        "/completion", BASE + suffix, {"shared_pool_slot": slot, "shared_prefix_n_tokens": p}, slot=slot
+        "/completion", BASE + suffix, {"shared_pool_slot": POOL, "shared_prefix_n_tokens": p}, slot=POOL
     )
-    status = check_answer(pool, "/completion", body, pool.post("/completion", body), slot)
+    status = check_answer(pool, "/completion", body, pool.post("/completion", body), POOL)
     assert status == "self"
     tally("self", status)
     pool.alive()

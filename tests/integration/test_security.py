@@ -151,28 +151,26 @@ def test_no_slots_and_the_cors_default(patched_server_bin: Path, model_path: Pat
         assert "CORS allows all origins" in srv.log_tail(200)
 
 
-def test_any_slot_can_be_named_but_only_presented_tokens_are_shared(secured: tuple[LlamaServer, str]) -> None:
-    """shared_pool_slot may name any slot, e.g. one holding another client's conversation. Nothing is
-    shared unless the request presents the same tokens; but the answer says how many leading tokens
-    matched (``common``), which is a prefix oracle over every slot's cache (docs/security.md)."""
+def test_only_reserved_pools_are_sources_and_a_salted_pool_tells_nothing(secured: tuple[LlamaServer, str]) -> None:
+    """With --pool-slots, naming another client's slot as a pool is a 400 (before patch 0074 it answered
+    with ``common``, a prefix oracle over that slot's cache), and a salted pool answers another salt with
+    ``salt_mismatch`` and nothing about its contents (docs/security.md)."""
     srv, _ = secured
     c = srv.client
     private = "User B private: my locker code is 7314 and I leave at noon."
-    c.prime(private, 2)  # client B's conversation in slot 2
-    b_tokens = c.prompt_tokens(private)
+    c.prime(private, 2)  # client B's conversation in slot 2 (not a pool)
     guess = "User B private: my locker code is 1111 and"
     g_tokens = c.prompt_tokens(guess)
-    matched = next(i for i, (x, y) in enumerate(zip(b_tokens, g_tokens, strict=False)) if x != y)
     c.erase_slot(1)  # client A's slot: no cache of its own
-    res = c.completion(guess, id_slot=1, n_predict=1, share=Share(2, len(g_tokens)))
-    assert res["shared_prefix"] == {
-        "pool_slot": 2,
-        "requested": len(g_tokens),
-        "shared": 0,
-        "status": "mismatch",
-        "common": matched,
-    }
+    with pytest.raises(HTTPError) as exc:
+        c.completion(guess, id_slot=1, n_predict=1, share=Share(2, len(g_tokens)))
+    assert exc.value.status == 400 and "shared_pool_slot" in str(exc.value)
+    # the reserved pool, primed under a salt: another salt learns nothing of what it holds
+    c.completion(private, id_slot=0, n_predict=1, cache_salt="tenant-b")
+    c.erase_slot(1)
+    res = c.completion(guess, id_slot=1, n_predict=1, share=Share(0, len(g_tokens)), cache_salt="tenant-a")
+    assert res["shared_prefix"] == {"pool_slot": 0, "requested": len(g_tokens), "shared": 0, "status": "salt_mismatch"}
     assert res["timings"]["prompt_n"] == len(g_tokens)  # computed itself: nothing of B's KV was used
     c.erase_slot(1)
-    same = c.completion(private + " Q:", id_slot=1, n_predict=1, share=Share(2, len(b_tokens) - 1))
-    assert same["shared_prefix"]["status"] == "hit"  # only because it presented B's exact tokens
+    same = c.completion(private + " Q:", id_slot=1, n_predict=1, share=Share(0), cache_salt="tenant-b")
+    assert same["shared_prefix"]["status"] == "hit"  # the same salt, and B's exact tokens

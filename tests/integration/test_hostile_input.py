@@ -329,13 +329,19 @@ def test_any_field_values(pool: Pool, path: str, pool_slot: Any, prefix: Any, pr
 @given(prompt=PROMPTS, data=st.data())
 def test_random_prompts_share_only_their_own_tokens(pool: Pool, prompt: str, data: st.DataObject) -> None:
     """Random text (often starting like the pool), P anywhere from 0 to 2^31-1, drawn often at the
-    boundaries (the common prefix, the pool's length, the prompt's length, +-1) and within the common prefix."""
+    boundaries (the common prefix, the pool's length, the prompt's length, +-1) and within the common prefix,
+    or not given at all (the server computes it)."""
     pool.reset()
     toks = pool.client.prompt_tokens(prompt)
     common = common_prefix_len(pool.tokens, toks)
     edges = sorted({max(0, n + d) for n in (common, len(pool.tokens), len(toks)) for d in (-1, 0, 1)})
     p = data.draw(
-        st.one_of(st.sampled_from(edges), st.integers(0, max(0, min(common, len(toks)))), st.integers(0, INT32_MAX)),
+        st.one_of(
+            st.none(),  # P not given: the server's P must be the true common prefix, capped (patch 0074)
+            st.sampled_from(edges),
+            st.integers(0, max(0, min(common, len(toks)))),
+            st.integers(0, INT32_MAX),
+        ),
         label="P",
     )
     path = data.draw(st.sampled_from(("/completion", "/v1/completions")), label="path")

@@ -46,8 +46,11 @@ def pool_tokens(c: Client, slot: int = 0) -> int:
 
 
 def share(c: Client, base: str, question: str, **params: Any) -> dict[str, Any]:
-    """A sharer of the pool in slot 0 asking ``question`` after ``base``."""
-    return c.share(base, base + question, **{"n_predict": 4, **GREEDY, **params})
+    """A sharer of the pool in slot 0 asking ``question`` after ``base``, with an explicit P (the common prefix of
+    the tokenized prompts, so a pool holding another text is a ``mismatch``, not an automatic ``no_prefix``)."""
+    prompt = base + question
+    p = c.shared_prefix_len(base, prompt)
+    return c.completion(prompt, share=Share(0, p), **{"n_predict": 4, **GREEDY, **params})
 
 
 def start(bin_: Path, model: Path, logs: Path, name: str, args: list[str]) -> LlamaServer:

@@ -46,5 +46,6 @@ def test_rounds_hold_without_errors_drift_or_leak(
         assert r.different == [], r.different
         assert r.identical + r.near_tie == 12
         assert r.kv_cells_after_erase == r.kv_cells_pool == 512, "KV cells leaked"
-    # near ties are the exception, not the rule (measured here: 16-19 of 24 identical, max drift 0.20)
-    assert verdicts["identical"] >= 12, verdicts
+    # most answers are identical, not near ties (measured here over 7 runs: 15-19 of 24 identical, 5-9 near
+    # ties at gaps of 0.001-0.3, 0 different, max drift 0.09-0.20; which ones tie depends on the batching)
+    assert verdicts["identical"] >= 10, verdicts

@@ -48,10 +48,10 @@ def test_drift_within_the_noise_is_identical() -> None:
 
 def test_drift_over_the_margin_is_different_and_every_token_is_counted() -> None:
     a = run((1, -0.1), (2, -0.5), (3, -0.2), (4, -0.3))
-    b = run((1, -0.4), (2, -0.5), (3, -0.6), (4, -0.3))  # tokens 0 and 2 drift by 0.3 and 0.4
+    b = run((1, -0.7), (2, -0.5), (3, -0.9), (4, -0.3))  # tokens 0 and 2 drift by 0.6 and 0.7
     cmp = compare_steps(a, b)
     assert cmp.verdict == "different"
-    assert cmp.n_over_margin == 2 and math.isclose(cmp.max_drift, 0.4)
+    assert cmp.n_over_margin == 2 and math.isclose(cmp.max_drift, 0.7)
     assert "first at 0" in cmp.detail
 
 
@@ -87,7 +87,7 @@ def test_a_flip_to_a_token_the_other_run_did_not_rank_is_different() -> None:
 
 def test_a_tie_after_drift_over_the_margin_is_different() -> None:
     a = [Step(1, -0.1, {1: -0.1}), Step(5, -0.70, {5: -0.70, 6: -0.71})]
-    b = [Step(1, -0.5, {1: -0.5}), Step(6, -0.70, {6: -0.70, 5: -0.71})]
+    b = [Step(1, -0.7, {1: -0.7}), Step(6, -0.70, {6: -0.70, 5: -0.71})]
     cmp = compare_steps(a, b)
     assert cmp.verdict == "different" and "drifted" in cmp.detail
 

@@ -11,17 +11,21 @@ default model, flash attention on):
 - :data:`EXACT`, for two runs with the same cell layout (the gate's checks, the negative
   control): a correct share is bit-exact there (drift 0.0), so any drift is ``different``;
 - :data:`LAYOUT`, for runs whose cells sit elsewhere (concurrent agents, a re-primed pool):
-  the same greedy request computed in another layout drifted by up to 0.141 in the
-  log-probability of the same token (in-process, 4 questions x 16 tokens, the base moved by
-  37 cells) and by up to 0.105 in the CI-sized load test (12 agents x 2 rounds x 8 tokens).
-  :data:`LAYOUT` allows 0.25 per token, and a flip only when both runs' gaps between the two
-  candidates are within 0.5. (An earlier note measured at most 0.02 on an AMD machine without
-  AVX-512; it does not hold here.)
+  the same greedy request computed in another layout moved the log-probability of the same
+  token by up to 0.141 in-process (4 questions x 16 tokens, the base moved by 37 cells),
+  0.09-0.20 in the CI-sized load test (7 runs of 24 answers x 8 tokens), 0.18 in the fan-out
+  test, 0.264 for a concurrent gate sharer (token 6 of 8, not a near tie), and 0.37 for a
+  one-cell shift (docs/shared-prefix.md). :data:`LAYOUT` allows 0.5 per token, and a flip
+  only when both runs' gaps between the two candidates are within 1.0. (An earlier note
+  measured at most 0.02 on an AMD machine without AVX-512; it does not hold here.)
 
 What each can see: a base that differs by one token in the middle moved the same log-probs
-by 0.09-0.23 in the same runs, i.e. as much as layout noise, so only an equal-layout
-comparison catches it; an answer over another context, or a base shifted by one cell,
-moves them by far more and is ``different`` under either set. The negative controls in
+by 0.09-0.23, i.e. as much as layout noise, so only an equal-layout comparison catches it.
+On this 135M model even a base with three facts changed moves the answers to questions about
+other facts by less than layout noise (0.08-0.33); what :data:`LAYOUT` reliably sees is an
+answer that changes (the question's own fact changed: a confident divergence). So the teeth
+are the equal-layout checks (the gate's exact phase, the negative control); the layout check
+catches wrong answers, not every wrong cell. The negative controls in
 ``tests/integration/memory/test_compare_control.py`` force such shares through the
 in-process engine and require ``different``.
 
@@ -41,7 +45,7 @@ from typing import Any, Literal
 Verdict = Literal["identical", "near_tie", "different"]
 
 #: Largest log-probability difference of the same picked token measured between two layouts.
-MEASURED_LAYOUT_DRIFT = 0.141
+MEASURED_LAYOUT_DRIFT = 0.2642
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,7 @@ class Margins:
 #: Same cell layout: bit-exact or different.
 EXACT = Margins(drift=0.0, tie=0.0)
 #: Different cell layouts: measured rounding noise (see the module docstring).
-LAYOUT = Margins(drift=0.25, tie=0.5)
+LAYOUT = Margins(drift=0.5, tie=1.0)
 
 
 @dataclass(frozen=True)

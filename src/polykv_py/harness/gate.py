@@ -1,4 +1,4 @@
-"""The gate: three checks on the default model, a JSON report, an exit status.
+"""The gate: four checks on the default model, a JSON report, an exit status.
 
 1. ``default_output``: the same requests (completion, /v1/completions and chat;
    stream and non-stream; greedy and seeded; with probabilities; several slots at
@@ -16,6 +16,10 @@
    ``-kvu``): the pool is evicted, each sharer reports ``not_resident``, re-processes
    its whole prompt, and answers byte-identically to the reference server given the
    same sequence of requests; the server stays healthy.
+4. ``auto_share``: boot with ``--pool-slots 0 --pool-auto``, prime the pool, send each sharer's
+   request with no pool field and no ``id_slot``: it must hit the pool by itself (``"auto":
+   "pool"``, P computed by the server) and answer byte-identically to the reference server's
+   own-cache answer after the same priming.
 
 Library code logs through ``logging``; :func:`main` routes that to the terminal.
 """
@@ -51,7 +55,7 @@ log = logging.getLogger(__name__)
 
 Json = dict[str, Any]
 
-CHECKS = ("default_output", "share_hit", "fallback_miss")
+CHECKS = ("default_output", "share_hit", "fallback_miss", "auto_share")
 
 POOL_SLOT = 0
 N_SLOTS = 4
@@ -641,10 +645,73 @@ def check_fallback_miss(servers: _Servers) -> CheckResult:
     return res
 
 
+def _auto_verdict(answer: Json, sharer: Sharer) -> tuple[bool, str, Json]:
+    """A plain request on a --pool-auto server: a hit on the pool chosen and P computed by the server."""
+    sp = answer.get("shared_prefix")
+    prompt_n = (answer.get("timings") or {}).get("prompt_n")
+    got = {"shared_prefix": sp, "prompt_n": prompt_n, "tokens_evaluated": answer.get("tokens_evaluated")}
+    shared = min(sharer.p, sharer.n_prompt - 1)
+    want = {"pool_slot": POOL_SLOT, "requested": None, "shared": shared, "status": "hit", "auto": "pool"}
+    if sp != want:
+        return False, f"shared_prefix is {sp}, expected {want} (a request with no pool field)", got
+    if prompt_n != sharer.n_prompt - shared:
+        return (
+            False,
+            f"processed {prompt_n} prompt tokens, expected n_prompt - shared = {sharer.n_prompt - shared}",
+            got,
+        )
+    return True, f"automatic hit, shared {shared}, processed {prompt_n}", got
+
+
+def check_auto_share(servers: _Servers) -> CheckResult:
+    """``--pool-auto``: requests with no pool field, not pinned, share the reserved pool by themselves.
+
+    For each sharer a fresh patched server (``--pool-slots 0 --pool-auto``, the pool primed) gets the
+    sharer's request with no pool field and no ``id_slot``; it must hit pool 0 with ``"auto": "pool"``,
+    P the common prefix of the tokenized prompts, and process only the rest. Its answer must be
+    byte-identical to a fresh reference server's answer from its own cache after the same priming
+    (slot s primed, the same request pinned to s: the same split and cell layout).
+    """
+    cfg = servers.cfg
+    res = CheckResult("auto_share")
+    args = [*_base_args(cfg), no_clear_idle_flag(servers.binary("patched")), "--pool-slots", str(POOL_SLOT),
+            "--pool-auto"]  # fmt: skip
+    ref_args = [*_base_args(cfg), NO_CACHE_IDLE]
+    res.info = {"flags": args, "reference_flags": ref_args}
+    for i in range(cfg.n_sharers):
+        with servers.start("patched", args, f"auto-share-{i + 1}") as srv:
+            if i == 0:
+                base = build_base(srv.client.prompt_tokens, cfg.base_tokens)
+                sharers, sinfo = make_sharers(srv.client, base, cfg)
+                res.info.update(sinfo)
+            s = sharers[i]
+            srv.client.prime(base, POOL_SLOT)
+            plain = {k: v for k, v in s.body.items() if k != "id_slot"}
+            mine_raw = send(srv.client, Case(s.case.name + "/auto", "/completion", plain))
+        mine = final_of(mine_raw, "/completion")
+        slot = mine.get("id_slot", s.slot)
+        with servers.start("upstream", ref_args, f"auto-reference-{i + 1}") as ref:
+            ref.client.prime(base, slot)
+            own_raw = send(ref.client, Case(s.case.name, "/completion", {**s.body, "id_slot": slot}))
+        case = _sharer_case(s, _auto_verdict(mine, s), mine_raw, own_raw, "identical_to_reference_own_cache")
+        res.cases.append(case)
+        log.info("  %s: %s; vs reference own cache: %s", s.case.name, case["status_check"], _sameness(case))
+    bad = [c for c in res.cases if not c["ok"]]
+    res.ok = bool(res.cases) and not bad
+    res.summary = (
+        _failed_sharers(bad, len(res.cases))
+        if bad
+        else f"{len(res.cases)} plain requests (no pool field, not pinned) shared the pool by themselves "
+        f"(auto 'pool', P={[c['P'] for c in res.cases]}) and answered byte-identically to the reference's own cache"
+    )
+    return res
+
+
 _CHECK_FUNCS: dict[str, Callable[[_Servers], CheckResult]] = {
     "default_output": check_default_output,
     "share_hit": check_share_hit,
     "fallback_miss": check_fallback_miss,
+    "auto_share": check_auto_share,
 }
 
 

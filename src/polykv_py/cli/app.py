@@ -37,23 +37,13 @@ def _cmd_fetch_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from ..serve import ServeOptions, serve
 
-    opts = ServeOptions(
-        model=args.model,
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key,
-        upstream=args.upstream,
-        no_defaults=args.no_defaults,
-        server_args=list(args.server_args),
-        pools=list(args.pools or []),
-        pool_salt=args.pool_salt,
-        pool_auto=args.pool_auto,
-        agent_slots=args.agent_slots,
-        log_dir=args.log_dir,
-    )
-    return serve(opts)
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServeOptions) if hasattr(args, f.name)}
+    given |= {"server_args": list(args.server_args), "pools": list(args.pools or [])}
+    return serve(ServeOptions(**given))
 
 
 def _cmd_gate(args: argparse.Namespace) -> int:
@@ -94,24 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("POLYKV_API_KEY"), help="require this API key")
     p.add_argument("--upstream", action="store_true", help="run the reference (unpatched) server instead")
     p.add_argument("--no-defaults", action="store_true", help=f"don't add {' '.join(SERVE_DEFAULTS)}")
-    p.add_argument(
-        "--pool",
-        dest="pools",
-        action="append",
-        type=_pool_file("text"),
-        metavar="FILE",
-        help="reserve a pool slot holding this file's text (completion prompts that start with it share it); "
-        "repeatable",
-    )
-    p.add_argument(
-        "--pool-chat",
-        dest="pools",
-        action="append",
-        type=_pool_file("chat"),
-        metavar="FILE",
-        help="reserve a pool slot holding the chat template's rendering of one system message with this file's "
-        "text (chat requests whose first message is that system message share it); repeatable",
-    )
+    for flag, kind, what in (
+        ("--pool", "text", "this file's text (completion prompts that start with it share it)"),
+        ("--pool-chat", "chat", "the chat template's rendering of one system message with this file's text "
+         "(chat requests whose first message is that system message share it)"),
+    ):  # fmt: skip
+        p.add_argument(flag, dest="pools", action="append", type=_pool_file(kind), metavar="FILE",
+                       help=f"reserve a pool slot holding {what}; repeatable")  # fmt: skip
     p.add_argument("--pool-salt", metavar="SALT", help="prime the pools with cache_salt SALT: only requests "
                    "with the same cache_salt share them")  # fmt: skip
     auto = p.add_mutually_exclusive_group()

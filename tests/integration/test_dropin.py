@@ -21,6 +21,7 @@ import pytest
 from polykv_py.errors import ServerError
 from polykv_py.presets import NO_HOST_CACHE, UNIFIED_KV, pool_slot_args, slots_args
 from polykv_py.server import LlamaServer
+from polykv_py.tokens import common_prefix_len
 
 pytestmark = pytest.mark.integration
 
@@ -36,15 +37,6 @@ def tokenize(url: str, text: str) -> list[int]:
     r = post(url, "/tokenize", {"content": text, "add_special": True, "parse_special": True})
     r.raise_for_status()
     return list(r.json()["tokens"])
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def base_text(seed: int, n_lines: int = 30) -> str:
@@ -97,12 +89,12 @@ def auto_server(patched_server_bin: Path, model_path: Path, tmp_path_factory: py
 
 
 # ----------------------------------------------------------------- step 1: automatic P
-def test_auto_p_is_the_true_common_prefix(auto_server: str) -> None:
+def test_auto_p_is_the_true_common_prefix_len(auto_server: str) -> None:
     url = auto_server
     base = base_text(11)
     prime(url, base)
     prompt = base + "\nQuestion: which shelf holds item 18? Answer:"
-    p = common_prefix(tokenize(url, base), tokenize(url, prompt))
+    p = common_prefix_len(tokenize(url, base), tokenize(url, prompt))
     out = complete(url, prompt, shared_pool_slot=0)
     sp = out["shared_prefix"]
     assert sp["requested"] is None and sp["auto"] == "prefix", sp
@@ -116,7 +108,7 @@ def test_given_p_stays_an_assertion(auto_server: str) -> None:
     pool = base + "\nQuestion: which item is on shelf 4? Answer:"
     prime(url, pool)
     prompt = base + "\nQuestion: which shelf holds item 19? Answer:"
-    p = common_prefix(tokenize(url, pool), tokenize(url, prompt))
+    p = common_prefix_len(tokenize(url, pool), tokenize(url, prompt))
     sp = complete(url, prompt, shared_pool_slot=0, shared_prefix_n_tokens=p + 3)["shared_prefix"]
     assert sp["status"] == "mismatch" and sp["common"] == p and sp["requested"] == p + 3 and "auto" not in sp, sp
 
@@ -136,7 +128,7 @@ def test_auto_pool_hit_without_any_field(auto_server: str) -> None:
     base = base_text(21)
     prime(url, base)
     prompt = base + "\nQuestion: which shelf holds item 28? Answer:"
-    p = common_prefix(tokenize(url, base), tokenize(url, prompt))
+    p = common_prefix_len(tokenize(url, base), tokenize(url, prompt))
     r = post(url, "/v1/completions", {"prompt": prompt, "max_tokens": 2, "temperature": 0})
     assert r.status_code == 200, r.text
     out = r.json()
@@ -156,7 +148,7 @@ def test_auto_pool_respects_min_tokens(auto_server: str) -> None:
     toks = tokenize(url, base)
     # a prompt that starts with fewer than MIN_TOKENS of the pool's tokens (its first record)
     prompt = base.split("\n", 1)[0] + "\nAnd now something else entirely: name a colour, then count to ten."
-    assert 8 < common_prefix(toks, tokenize(url, prompt)) < MIN_TOKENS
+    assert 8 < common_prefix_len(toks, tokenize(url, prompt)) < MIN_TOKENS
     out = complete(url, prompt)
     assert "shared_prefix" not in out, out["shared_prefix"]
 
@@ -178,7 +170,7 @@ def test_salt(auto_server: str) -> None:
     base = base_text(31)
     prime(url, base, cache_salt="tenant-a")
     q = "\nQuestion: which shelf holds item {}? Answer:"
-    p = common_prefix(tokenize(url, base), tokenize(url, base + q.format(1)))
+    p = common_prefix_len(tokenize(url, base), tokenize(url, base + q.format(1)))
     # another salt, or none: refused with no length information
     for extra in ({"cache_salt": "tenant-b"}, {}):
         erase_workers(url)

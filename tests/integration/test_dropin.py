@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from polykv_py.client import Client
 from polykv_py.errors import ServerError
 from polykv_py.presets import NO_HOST_CACHE, UNIFIED_KV, pool_slot_args, slots_args
 from polykv_py.server import LlamaServer
@@ -34,9 +35,8 @@ def post(url: str, path: str, body: dict[str, Any], timeout: float = 120.0) -> h
 
 
 def tokenize(url: str, text: str) -> list[int]:
-    r = post(url, "/tokenize", {"content": text, "add_special": True, "parse_special": True})
-    r.raise_for_status()
-    return list(r.json()["tokens"])
+    with Client(url) as c:
+        return c.prompt_tokens(text)
 
 
 def base_text(seed: int, n_lines: int = 30) -> str:
@@ -47,8 +47,8 @@ def base_text(seed: int, n_lines: int = 30) -> str:
 
 
 def prime(url: str, base: str, slot: int = 0, **extra: Any) -> None:
-    r = post(url, "/completion", {"prompt": base, "id_slot": slot, "n_predict": 0, "cache_prompt": True, **extra})
-    assert r.status_code == 200, r.text
+    with Client(url) as c:
+        c.prime(base, slot, **extra)
 
 
 def complete(url: str, prompt: str, **extra: Any) -> dict[str, Any]:
@@ -60,9 +60,9 @@ def complete(url: str, prompt: str, **extra: Any) -> dict[str, Any]:
 def erase_workers(url: str) -> None:
     """Erase the unreserved slots 1 and 2, so the next request has no own cache to reuse (upstream's
     similarity-based slot reuse does not look at cache_salt)."""
-    for slot in (1, 2):
-        r = post(url, f"/slots/{slot}?action=erase", {})
-        assert r.status_code == 200, r.text
+    with Client(url) as c:
+        for slot in (1, 2):
+            c.erase_slot(slot)
 
 
 def start(bin_: Path, model: Path, logs: Path, name: str, args: list[str]) -> LlamaServer:
@@ -89,7 +89,7 @@ def auto_server(patched_server_bin: Path, model_path: Path, tmp_path_factory: py
 
 
 # ----------------------------------------------------------------- step 1: automatic P
-def test_auto_p_is_the_true_common_prefix_len(auto_server: str) -> None:
+def test_auto_p_is_the_true_common_prefix(auto_server: str) -> None:
     url = auto_server
     base = base_text(11)
     prime(url, base)

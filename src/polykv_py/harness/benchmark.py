@@ -94,10 +94,11 @@ def suffix_text(i: int, target_tokens: int, tokenize: Tokenize, detokenize: Deto
 
 def ctx_for(n: int, p: int, s: int, g: int) -> int:
     """KV cells for N agents and the base, each with its own copy (what the reference needs)."""
-    return _round_up((n + 1) * (p + s + g + 16), 256)
+    return round_up((n + 1) * (p + s + g + 16), 256)
 
 
-def _round_up(cells: int, step: int) -> int:
+def round_up(cells: int, step: int = 256) -> int:
+    """``cells`` rounded up to a multiple of ``step`` (KV sizes are given in 256-cell pages)."""
     return -(-cells // step) * step
 
 
@@ -107,7 +108,7 @@ def matched_budget(n: int, p: int, s: int, g: int) -> tuple[int, int]:
     The budget is the sharing bound ``P + N*(S+G+16)`` plus 64, rounded up to 256; the
     slots are the whole prompts that fit in it side by side (at least one).
     """
-    cells = _round_up(p + n * (s + g + 16) + 64, 256)
+    cells = round_up(p + n * (s + g + 16) + 64, 256)
     return cells, max(1, min(n, cells // (p + s + g + 16)))
 
 

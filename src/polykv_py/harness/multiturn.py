@@ -36,6 +36,7 @@ from ..fanout import Agent, BaseContext, SharedContext
 from ..native import ServerKind
 from ..results import FanoutResult
 from ..server import LlamaServer
+from .benchmark import base_text, round_up
 from .kvcells import KVCellsLog
 from .systems import SYSTEMS, System, best_stock, start_system_server
 
@@ -80,15 +81,11 @@ def budget(system: System, cfg: TurnsConfig) -> tuple[int, int]:
     own = own_cells(cfg.turns, cfg.gen) + 16
     whole = cfg.p + own
     if system.budget == "shared":
-        cells = _round_up(cfg.p + cfg.n * own + 64, 256)
+        cells = round_up(cfg.p + cfg.n * own + 64, 256)
         slots = cfg.n + 1 if system.pool else max(1, min(cfg.n, cells // whole))
         return cells, slots
-    per_slot = _round_up(whole, 256)
+    per_slot = round_up(whole, 256)
     return (cfg.n + 1) * per_slot, cfg.n + 1
-
-
-def _round_up(cells: int, step: int) -> int:
-    return -(-cells // step) * step
 
 
 def _percentile(values: Sequence[float], q: float) -> float | None:
@@ -179,8 +176,6 @@ CHECKPOINTS = (1, 4, 16)
 
 def base_for(p: int, cfg: TurnsConfig) -> str:
     """A base of about ``p`` tokens (the sample document repeated and cut), tokenized by a small server."""
-    from .benchmark import base_text
-
     with LlamaServer(
         kind=ServerKind.UPSTREAM, model=cfg.model, args=["-np", "1", "-c", "512"], threads=1, name="turns-tokenizer"
     ) as srv:

@@ -31,6 +31,15 @@ enum ggml_log_level {
 };
 typedef void (*ggml_log_callback)(enum ggml_log_level level, const char * text, void * user_data);
 
+/* from ggml.h: tensor types (the KV cache's K and V types) and their names */
+enum ggml_type {
+    GGML_TYPE_F32,
+    GGML_TYPE_F16,
+    GGML_TYPE_Q8_0,
+    ...
+};
+const char * ggml_type_name(enum ggml_type type);
+
 enum llama_flash_attn_type {
     LLAMA_FLASH_ATTN_TYPE_AUTO,
     LLAMA_FLASH_ATTN_TYPE_DISABLED,
@@ -72,6 +81,8 @@ struct llama_context_params {
     int32_t  n_threads;
     int32_t  n_threads_batch;
     enum llama_flash_attn_type flash_attn_type;
+    enum ggml_type type_k;
+    enum ggml_type type_v;
     bool embeddings;
     bool offload_kqv;
     bool no_perf;

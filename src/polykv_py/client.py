@@ -23,13 +23,14 @@ import functools
 import json
 import logging
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypedDict, TypeVar, Unpack
 
 import httpx
 
 from .errors import HTTPError, ServerUnavailableError
+from .pools import PoolState, action_body, pool_states
 from .tokens import shared_prefix_len
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,9 @@ class PoolFeatures:
     pool_auto_min_tokens: int | None = None
     #: The server computes P when a request names ``shared_pool_slot`` without ``shared_prefix_n_tokens``.
     server_prefix: bool = False
+    #: What a pool file must match on this server (format, model, KV layout; patch 0075), None without
+    #: pool files: :func:`polykv_py.pools.pool_file_name` names cache files from it.
+    pool_files: Json | None = None
 
     @classmethod
     def from_props(cls, props: Json) -> PoolFeatures:
@@ -118,6 +122,7 @@ class PoolFeatures:
             pool_auto=bool(info.get("pool_auto")),
             pool_auto_min_tokens=min_tokens if isinstance(min_tokens, int) else None,
             server_prefix=True,
+            pool_files=files if isinstance(files := info.get("pool_files"), dict) else None,
         )
 
     def check_pool_slot(self, slot: int) -> None:
@@ -392,6 +397,15 @@ def prime_request(prompt: Prompt, slot: int | None, params: dict[str, Any]) -> R
     return Request.post(COMPLETION, body)
 
 
+def pool_file_request(
+    action: str, slot: int, filename: str, *, tokens: Sequence[int] | None = None, cache_salt: str | None = None
+) -> Request[Any]:
+    """``POST /slots/{slot}?action=save|restore`` of a reserved pool (patch 0075; the server needs
+    ``--slot-save-path``). A restore verifies the file and, if given, that it holds ``tokens``
+    and was primed under ``cache_salt``; a refusal is HTTP 400 naming the reason."""
+    return Request.post(f"/slots/{slot}?action={action}", action_body(filename, tokens=tokens, cache_salt=cache_salt))
+
+
 def erase_request(slot: int) -> Request[Any]:
     """``POST /slots/{slot}?action=erase``: empty a slot's KV (the server needs ``--slot-save-path``)."""
     return Request.post(f"/slots/{slot}?action=erase", {})
@@ -629,6 +643,20 @@ class Client(_Base):
         """Empty ``slot``'s KV (``POST /slots/{slot}?action=erase``; the server needs ``--slot-save-path``)."""
         return self.send(erase_request(slot))
 
+    def save_pool(self, slot: int, filename: str) -> Json:
+        """Save reserved pool ``slot`` to ``filename`` in the server's ``--slot-save-path`` (atomic)."""
+        return self.send(pool_file_request("save", slot, filename))
+
+    def restore_pool(
+        self, slot: int, filename: str, *, tokens: Sequence[int] | None = None, cache_salt: str | None = None
+    ) -> Json:
+        """Restore reserved pool ``slot`` from ``filename`` (verified; see :func:`pool_file_request`)."""
+        return self.send(pool_file_request("restore", slot, filename, tokens=tokens, cache_salt=cache_salt))
+
+    def pools(self) -> list[PoolState]:
+        """The reserved pools' states: tokens, salt hash, resident, hits, sharers, last use."""
+        return pool_states(self.slots())
+
 
 class AsyncClient(_Base):
     """Asynchronous llama-server client (same methods as :class:`Client`, awaitable).
@@ -792,3 +820,17 @@ class AsyncClient(_Base):
     async def erase_slot(self, slot: int) -> Json:
         """Empty ``slot``'s KV (``POST /slots/{slot}?action=erase``)."""
         return await self.send(erase_request(slot))
+
+    async def save_pool(self, slot: int, filename: str) -> Json:
+        """Save reserved pool ``slot`` to ``filename`` (see :meth:`Client.save_pool`)."""
+        return await self.send(pool_file_request("save", slot, filename))
+
+    async def restore_pool(
+        self, slot: int, filename: str, *, tokens: Sequence[int] | None = None, cache_salt: str | None = None
+    ) -> Json:
+        """Restore reserved pool ``slot`` from ``filename`` (see :meth:`Client.restore_pool`)."""
+        return await self.send(pool_file_request("restore", slot, filename, tokens=tokens, cache_salt=cache_salt))
+
+    async def pools(self) -> list[PoolState]:
+        """The reserved pools' states (see :meth:`Client.pools`)."""
+        return pool_states(await self.slots())

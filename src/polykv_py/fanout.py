@@ -10,7 +10,9 @@ object: :class:`~polykv_py.client.PoolFeatures`) gets only ``shared_pool_slot``.
 server verifies the tokens and reports what it did in ``shared_prefix.status``.  A report
 that the pool is gone (``not_resident``, ``mismatch``) re-primes the pool for the agents
 that follow; the agent that saw it still has a correct answer (the server recomputed its
-prefix).
+prefix). With a :class:`~polykv_py.pools.PoolCache` a priming first tries to restore the pool
+from a saved file (named by the server's model and KV identity and the pool's tokens) and
+saves one after computing it, so a base is computed once, across restarts.
 
 Typical use::
 
@@ -31,7 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any, Self
 
 from .client import CHAT, COMPLETION, DEFAULT_TIMEOUT, AsyncClient, PoolFeatures, Share, aggregate, generation_body
-from .errors import PolykvError, ServerUnavailableError
+from .errors import HTTPError, PolykvError, ServerUnavailableError
+from .pools import PoolCache, is_missing, pool_file_name
 from .results import (
     ERROR,
     NOT_SHARED,
@@ -212,6 +215,9 @@ class SharedContext:
     (with the server's log tail when the client belongs to a ``LlamaServer``) is raised,
     the agents still in flight are cancelled, and the pool is forgotten, so the next
     :meth:`run` (after e.g. :meth:`LlamaServer.restart`) primes it again first.
+    ``pool_cache``: restore the pool from its file there instead of computing it, and save it
+    after computing it (a server with pool files, patch 0075, whose ``--slot-save-path`` is the
+    cache's directory; a server without them is primed as usual, with a warning).
     """
 
     def __init__(
@@ -226,6 +232,7 @@ class SharedContext:
         pin_prime: bool = True,
         keep_going: bool = True,
         server_prefix: bool | None = None,
+        pool_cache: PoolCache | None = None,
     ) -> None:
         self.client = client
         self.base = base
@@ -236,6 +243,7 @@ class SharedContext:
         self.keep_going = keep_going
         self.concurrency = concurrency
         self.server_prefix = server_prefix
+        self.pool_cache = pool_cache if share else None
         self._features: PoolFeatures | None = None
         self._owns_client = False
         self._pool_prompt: str | None = None
@@ -372,24 +380,56 @@ class SharedContext:
         async with self._prime_lock:
             return await self._prime_locked(reason)
 
+    async def _pool_file(self, tokens: list[int]) -> str | None:
+        """The pool's cache file name, or None without a pool cache (or a server without pool files)."""
+        if self.pool_cache is None:
+            return None
+        identity = (await self.features()).pool_files
+        if identity is None:
+            log.warning("the server has no pool files (patch 0075 with --pool-slots): priming without the pool cache")
+            self.pool_cache = None
+            return None
+        return pool_file_name(identity, tokens)
+
+    async def _restore(self, name: str, tokens: list[int], reason: str) -> PrimeResult | None:
+        """Restore the pool from its cache file; None on a miss or a refused file (then it is primed and saved)."""
+        assert self.pool_cache is not None
+        t0 = time.perf_counter()
+        try:
+            answer = await self.client.restore_pool(self.pool_slot, name, tokens=tokens)
+        except HTTPError as exc:
+            if not is_missing(exc):
+                log.warning("pool file %s refused (%s): priming and saving it again", name, exc.server_message)
+            return None
+        wall = time.perf_counter() - t0
+        self.pool_cache.touch(name)
+        ms = (answer.get("timings") or {}).get("restore_ms")
+        return PrimeResult(0, len(tokens), 0, wall, reason, restored_from=name, restore_ms=ms)
+
     async def _prime_locked(self, reason: str) -> PrimeResult:
         self._ready.clear()
         try:
             tokens = await self.pool_tokens()
-            t0 = time.perf_counter()
-            answer = await self.client.prime(tokens, self.pool_slot if self.pin_prime else None)
-            wall = time.perf_counter() - t0
-            timings = answer.get("timings") or {}
+            name = await self._pool_file(tokens)
+            res = await self._restore(name, tokens, reason) if name else None
+            if res is None:
+                t0 = time.perf_counter()
+                answer = await self.client.prime(tokens, self.pool_slot if self.pin_prime else None)
+                wall = time.perf_counter() - t0
+                timings = answer.get("timings") or {}
+                n_computed = int(timings.get("prompt_n", len(tokens)))
+                res = PrimeResult(0, len(tokens), n_computed, wall, reason, saved_to=await self._save(name))
             self._generation += 1
-            res = PrimeResult(self._generation, len(tokens), int(timings.get("prompt_n", len(tokens))), wall, reason)
+            res.generation = self._generation
             self.primes.append(res)
             self._primed_generation = self._generation
             log.info(
-                "primed pool slot %d with %d tokens (%d computed) in %.2fs (%s)",
+                "%s pool slot %d with %d tokens (%d computed) in %.2fs (%s)",
+                f"restored from {res.restored_from}" if res.restored_from else "primed",
                 self.pool_slot,
                 res.n_tokens,
                 res.processed,
-                wall,
+                res.wall_s,
                 reason,
             )
             if self._progress:
@@ -397,6 +437,18 @@ class SharedContext:
             return res
         finally:
             self._ready.set()
+
+    async def _save(self, name: str | None) -> str | None:
+        """Save the freshly primed pool as ``name`` (then trim the cache); None if not saved."""
+        if name is None or self.pool_cache is None:
+            return None
+        try:
+            await self.client.save_pool(self.pool_slot, name)
+        except HTTPError as exc:
+            log.warning("could not save pool slot %d to %s: %s", self.pool_slot, name, exc.server_message)
+            return None
+        self.pool_cache.evict(keep=[name])
+        return name
 
     async def ensure_primed(self) -> None:
         """Prime the pool unless it has been primed already (or was forgotten since)."""

@@ -79,9 +79,10 @@ def serve_pool_args(n_pools: int, agent_slots: int = SERVE_AGENT_SLOTS, *, pool_
     return [*pool_slot_args(range(k)), "-np", str(k + agent_slots), *([POOL_AUTO] if pool_auto else [])]
 
 
-def slot_actions_args() -> list[str]:
-    """``--slot-save-path`` with a fresh directory: it only enables the ``/slots`` actions (erase)."""
-    return ["--slot-save-path", tempfile.mkdtemp(prefix="polykv-slots-")]
+def slot_actions_args(save_path: str | None = None) -> list[str]:
+    """``--slot-save-path``: ``save_path`` (a pool cache's directory, with its trailing slash), else a
+    fresh directory that only enables the ``/slots`` actions (erase)."""
+    return ["--slot-save-path", save_path or tempfile.mkdtemp(prefix="polykv-slots-")]
 
 
 def kv_debug(track_kv: bool) -> tuple[list[str], dict[str, str] | None]:
@@ -101,6 +102,7 @@ def pool_server(
     name: str = "polykv-pool",
     pool_slot: int | None = 0,
     env: Mapping[str, str] | None = None,
+    slot_save_path: str | None = None,
     **launch: Any,
 ) -> LlamaServer:
     """A fan-out server: ``n_agents_parallel`` agent slots plus the pool slot ``pool_slot``.
@@ -109,13 +111,15 @@ def pool_server(
     nothing reserved, e.g. to compare scheduling with the reference server); ``ctx`` KV cells
     in all (unified); with ``track_kv`` the debug logging :mod:`polykv_py.harness.kvcells` reads.
     ``kind="upstream"`` gives the reference server with the same flags (its own flag names).
+    ``slot_save_path``: the ``--slot-save-path`` (a :class:`~polykv_py.pools.PoolCache`'s
+    ``save_path``); default a fresh directory.
     ``launch`` goes to :class:`~polykv_py.server.LlamaServer` (``binary``, ``log_dir``, ``api_key`` ...).
     """
     kind = ServerKind.of(kind)
     patched = kind is ServerKind.PATCHED
     reserve = pool_slot_args([pool_slot]) if patched and pool_slot is not None else []
     recipe = POOL_SERVER_ARGS if patched else REFERENCE_SERVER_ARGS
-    args = [*recipe, *slots_args(n_agents_parallel + 1, ctx), *slot_actions_args(), *reserve]
+    args = [*recipe, *slots_args(n_agents_parallel + 1, ctx), *slot_actions_args(slot_save_path), *reserve]
     return custom_server(kind, args, extra_args=extra_args, track_kv=track_kv, model=model, threads=threads, name=name,
                          env=env, **launch)  # fmt: skip
 
@@ -127,6 +131,7 @@ def serve_server(
     ctx: int = SERVE_CTX,
     pool_auto: bool = True,
     slot_actions: bool = False,
+    slot_save_path: str | None = None,
     extra_args: Sequence[str] = (),
     threads: int | None = None,
     name: str = "polykv-serve",
@@ -136,11 +141,12 @@ def serve_server(
     ``agent_slots`` more slots, ``ctx`` KV cells, ``--pool-auto``), on a free loopback port.
 
     Prime its pools with :func:`polykv_py.serve.prime_pools`, as ``polykv serve`` does.
-    ``slot_actions`` adds ``--slot-save-path`` (erasing slots, for tests).
+    ``slot_actions`` adds ``--slot-save-path`` (erasing slots, for tests); ``slot_save_path`` sets it
+    (the pool cache's directory).
     """
     args = [*POOL_SERVER_ARGS, "-c", str(ctx), *serve_pool_args(n_pools, agent_slots, pool_auto=pool_auto)]
-    if slot_actions:
-        args += slot_actions_args()
+    if slot_actions or slot_save_path:
+        args += slot_actions_args(slot_save_path)
     return custom_server(ServerKind.PATCHED, args, extra_args=extra_args, threads=threads, name=name, **launch)
 
 

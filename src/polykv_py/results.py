@@ -38,6 +38,9 @@ class PrimeResult:
     processed: int  # prompt tokens the server actually computed for it
     wall_s: float
     reason: str
+    restored_from: str | None = None  # the pool file it was restored from instead (pool cache)
+    restore_ms: float | None = None  # the server's time for the restore
+    saved_to: str | None = None  # the pool file it was saved to after priming (pool cache)
 
 
 @dataclass

@@ -5,8 +5,9 @@ defaults (:data:`~polykv_py.presets.SERVE_DEFAULTS`), reserves one pool slot per
 ``--pool``/``--pool-chat`` file (slots 0..k-1, :func:`~polykv_py.presets.serve_pool_args`),
 adds ``--pool-auto`` when the binary knows it (so plain OpenAI-style requests share the
 pools), waits for ``/health``, primes every pool with a pinned request
-(:func:`prime_pools`), logs one line per pool, and only then prints that the server is
-ready. It then waits for the child: SIGTERM or SIGINT stop it gracefully (SIGTERM to its
+(:func:`prime_pools`; from the pool cache when a file for this model and these tokens is
+there, and saved to it otherwise), logs one line per pool, and only then prints that the
+server is ready. It then waits for the child: SIGTERM or SIGINT stop it gracefully (SIGTERM to its
 process group, SIGKILL after a grace period), and a child that dies on its own makes the
 launcher exit with the child's status and the tail of its log.
 """
@@ -27,8 +28,9 @@ from types import FrameType
 from typing import Any, Literal, TextIO
 
 from .client import Client
-from .errors import PolykvError, ServerError
+from .errors import HTTPError, PolykvError, ServerError
 from .native import ServerKind, server_binary
+from .pools import PoolCache, is_missing, pool_file_name
 from .presets import POOL_AUTO, SERVE_AGENT_SLOTS, SERVE_DEFAULTS, serve_pool_args
 from .server import LlamaServer
 
@@ -66,12 +68,14 @@ class PoolSpec:
 
 @dataclass(frozen=True)
 class PrimedPool:
-    """A primed pool: its slot, where its text came from, its tokens and the seconds priming took."""
+    """A primed pool: its slot, where its text came from, its tokens and the seconds priming took
+    (``restored_from``: the pool file it was restored from instead of computing it)."""
 
     slot: int
     source: str
     n_tokens: int
     seconds: float
+    restored_from: str | None = None
 
 
 def load_pools(files: Sequence[tuple[PoolKind, str]]) -> list[PoolSpec]:
@@ -88,32 +92,62 @@ def load_pools(files: Sequence[tuple[PoolKind, str]]) -> list[PoolSpec]:
     return pools
 
 
-def prime_pools(client: Client, pools: Sequence[PoolSpec], *, salt: str | None = None) -> list[PrimedPool]:
+def prime_pools(
+    client: Client, pools: Sequence[PoolSpec], *, salt: str | None = None, cache: PoolCache | None = None
+) -> list[PrimedPool]:
     """Prime each pool with a pinned request (``Client.prime``: processed, nothing generated), in order.
 
     ``salt`` is sent as ``cache_salt``: only requests with the same salt then share the pool.
-    Logs one line per pool.
+    With ``cache`` (the server's ``--slot-save-path``) a pool whose file is there is restored
+    instead, and a computed one is saved. Logs one line per pool.
     """
     params: dict[str, Any] = {"cache_salt": salt} if salt else {}
+    identity = client.pool_features().pool_files if cache is not None else None
     out = []
     for pool in pools:
-        prompt = pool.prompt(client)
+        text = pool.prompt(client)
+        source = pool.source or f"pool {pool.slot}"
+        name, tokens = None, None
+        if identity is not None:  # the file is named by the tokens (and restored only if it holds them)
+            tokens = client.prompt_tokens(text)
+            name = pool_file_name(identity, tokens, salt)
+        prompt: str | list[int] = tokens if tokens is not None else text
         t0 = time.perf_counter()
-        answer = client.prime(prompt, pool.slot, **params)
-        seconds = time.perf_counter() - t0
-        n_tokens = int(answer.get("tokens_evaluated") or (answer.get("timings") or {}).get("prompt_n") or 0)
-        primed = PrimedPool(pool.slot, pool.source or f"pool {pool.slot}", n_tokens, seconds)
+        if name is not None and tokens is not None and _restore(client, pool.slot, name, tokens, salt):
+            assert cache is not None
+            cache.touch(name)
+            primed = PrimedPool(pool.slot, source, len(prompt), time.perf_counter() - t0, restored_from=name)
+        else:
+            answer = client.prime(prompt, pool.slot, **params)
+            n_tokens = int(answer.get("tokens_evaluated") or (answer.get("timings") or {}).get("prompt_n") or 0)
+            primed = PrimedPool(pool.slot, source, n_tokens, time.perf_counter() - t0)
+            if name is not None:
+                assert cache is not None
+                client.save_pool(pool.slot, name)
+                cache.evict(keep=[name])
         log.info(
-            "pool slot %d: %s (%s), %d tokens primed in %.2fs%s",
+            "pool slot %d: %s (%s), %d tokens %s in %.2fs%s",
             primed.slot,
             primed.source,
             pool.kind,
             primed.n_tokens,
+            f"restored from the pool cache ({name})" if primed.restored_from else "primed",
             primed.seconds,
             " (salted)" if salt else "",
         )
         out.append(primed)
     return out
+
+
+def _restore(client: Client, slot: int, name: str, tokens: list[int], salt: str | None) -> bool:
+    """Restore ``slot`` from pool file ``name``: False on a miss, or (logged) on a refused file."""
+    try:
+        client.restore_pool(slot, name, tokens=tokens, cache_salt=salt)
+    except HTTPError as exc:
+        if not is_missing(exc):
+            log.warning("pool file %s refused (%s): priming and saving it again", name, exc.server_message)
+        return False
+    return True
 
 
 def supports_flag(binary: str | os.PathLike[str], flag: str) -> bool:
@@ -174,14 +208,16 @@ class ServeOptions:
     server_args: list[str] = field(default_factory=list)
     pools: list[tuple[PoolKind, str]] = field(default_factory=list)
     pool_salt: str | None = None
+    pool_cache: str | None = None  # None: the default pool cache (with --pool files)
+    no_pool_cache: bool = False
     pool_auto: bool | None = None  # None: when the binary knows --pool-auto
     agent_slots: int = SERVE_AGENT_SLOTS
     log_dir: str | None = None
     start_timeout: float = SERVE_START_TIMEOUT
 
 
-def build_server(opts: ServeOptions) -> tuple[LlamaServer, list[PoolSpec]]:
-    """The server ``opts`` asks for (not started) and the pools to prime once it is up.
+def build_server(opts: ServeOptions) -> tuple[LlamaServer, list[PoolSpec], PoolCache | None]:
+    """The server ``opts`` asks for (not started), the pools to prime once it is up, and their cache.
 
     ``--host``, ``--port`` and ``--api-key`` given among the llama-server flags (after ``--``)
     win over the launcher's own options, as they would on llama-server's command line, and
@@ -208,6 +244,10 @@ def build_server(opts: ServeOptions) -> tuple[LlamaServer, list[PoolSpec]]:
         raise PolykvError("--pool and --pool-chat reserve slots 0..k-1 themselves: drop --pool-slots")
     if opts.pool_salt and not pools:
         raise PolykvError("--pool-salt salts the pools primed from --pool/--pool-chat: give one")
+    cache = None
+    if pools and not opts.no_pool_cache:  # the server's --slot-save-path is the cache (the user's, if given)
+        cache = PoolCache(take_option(extra, "--slot-save-path") or opts.pool_cache or PoolCache.default().directory)
+        extra += ["--slot-save-path", str(cache.save_path)]
     args: list[str] = [] if opts.no_defaults else list(SERVE_DEFAULTS)
     if not opts.upstream and (pools or not opts.no_defaults):
         pool_auto = opts.pool_auto
@@ -237,7 +277,7 @@ def build_server(opts: ServeOptions) -> tuple[LlamaServer, list[PoolSpec]]:
             host,
             "" if api_key else " with no API key (anyone can prompt, prime and erase slots)",
         )
-    return server, pools
+    return server, pools, cache
 
 
 class _Stop(Exception):  # noqa: N818 - a signal, not an error
@@ -277,7 +317,12 @@ def exit_code(status: int | None) -> int:
 
 
 def supervise(
-    server: LlamaServer, pools: Sequence[PoolSpec], *, salt: str | None = None, out: TextIO | None = None
+    server: LlamaServer,
+    pools: Sequence[PoolSpec],
+    *,
+    salt: str | None = None,
+    out: TextIO | None = None,
+    cache: PoolCache | None = None,
 ) -> int:
     """Start ``server``, prime ``pools``, say it is ready on ``out`` (stdout), and wait for it.
 
@@ -288,7 +333,7 @@ def supervise(
     out = out if out is not None else sys.stdout
     with _stop_on_signals():
         try:
-            return _run(server, pools, salt, out)
+            return _run(server, pools, salt, out, cache)
         except _Stop as stop:
             log.info("%s: stopping llama-server (pid %s)", stop, server.pid if server.is_alive() else "-")
             status = server.stop()
@@ -299,7 +344,7 @@ def supervise(
                 server.stop()
 
 
-def _run(server: LlamaServer, pools: Sequence[PoolSpec], salt: str | None, out: TextIO) -> int:
+def _run(server: LlamaServer, pools: Sequence[PoolSpec], salt: str | None, out: TextIO, cache: PoolCache | None) -> int:
     try:
         server.start()
     except ServerError as exc:
@@ -307,7 +352,7 @@ def _run(server: LlamaServer, pools: Sequence[PoolSpec], salt: str | None, out: 
         return exit_code(exc.exit_status)
     log.info("llama-server pid %d at %s, log %s", server.pid, server.url, server.log_path)
     try:
-        prime_pools(server.client, pools, salt=salt)
+        prime_pools(server.client, pools, salt=salt, cache=cache)
     except PolykvError as exc:
         if server.is_alive():
             log.error("priming the pools failed: %s", exc)
@@ -338,5 +383,5 @@ def _died(server: LlamaServer) -> int:
 
 def serve(opts: ServeOptions, out: TextIO | None = None) -> int:
     """``polykv serve``: build the server, start it, prime its pools, wait. Returns the exit code."""
-    server, pools = build_server(opts)
-    return supervise(server, pools, salt=opts.pool_salt, out=out)
+    server, pools, cache = build_server(opts)
+    return supervise(server, pools, salt=opts.pool_salt, out=out, cache=cache)

@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"reserve a pool slot holding {what}; repeatable")  # fmt: skip
     p.add_argument("--pool-salt", metavar="SALT", help="prime the pools with cache_salt SALT: only requests "
                    "with the same cache_salt share them")  # fmt: skip
+    p.add_argument("--pool-cache", metavar="DIR", help="restore the pools from pool files here, save computed ones "
+                   "(the server's --slot-save-path; default $POLYKV_CACHE_DIR/pools)")  # fmt: skip
+    p.add_argument("--no-pool-cache", action="store_true", help="always compute the pools; save nothing")
     auto = p.add_mutually_exclusive_group()
     auto.add_argument(
         "--pool-auto",
@@ -128,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .fanout import register as register_fanout
 
     register_fanout(sub)  # `polykv run` (the main job) and `polykv bench`
+
+    from .pools import register as register_pools
+
+    register_pools(sub)  # `polykv pools list|clear|status`
     return parser
 
 

@@ -18,6 +18,7 @@ from typing import Any, TextIO
 
 from ..errors import PolykvError
 from ..fanout import Agent, BaseContext, FanoutError, SharedContext
+from ..pools import PoolCache
 from ..results import AgentResult, FanoutResult, PrimeResult
 
 log = logging.getLogger("polykv.run")
@@ -103,6 +104,17 @@ def finalize_agents(
 
 
 # --------------------------------------------------------------------------- progress
+def prime_line(p: PrimeResult) -> str:
+    """How a priming is reported: restored from the pool cache, or computed (and saved)."""
+    if p.restored_from:
+        ms = f"{p.restore_ms:.0f} ms" if p.restore_ms is not None else f"{p.wall_s * 1000:.0f} ms"
+        return (
+            f"pool restored from the pool cache: {p.n_tokens} tokens, no base token computed ({ms}, {p.restored_from})"
+        )
+    saved = f", saved to the pool cache as {p.saved_to}" if p.saved_to else ""
+    return f"pool primed: {p.n_tokens} tokens in {p.wall_s:.1f}s ({p.reason}){saved}"
+
+
 class Progress:
     """A one-line progress display on a terminal (log lines otherwise)."""
 
@@ -122,7 +134,7 @@ class Progress:
             return
         if event == "prime" and isinstance(payload, PrimeResult):
             self.primes += 1
-            self._say(f"pool primed: {payload.n_tokens} tokens in {payload.wall_s:.1f}s ({payload.reason})", keep=True)
+            self._say(prime_line(payload), keep=True)
         elif event == "start":
             self.running += 1
         elif event == "done" and isinstance(payload, AgentResult):
@@ -194,6 +206,7 @@ async def _fanout(
     progress: Progress,
     kv: Any,
     server: Any = None,
+    pool_cache: PoolCache | None = None,
 ) -> tuple[FanoutResult, FanoutResult | None]:
     async with SharedContext.connect(
         url,
@@ -204,6 +217,7 @@ async def _fanout(
         concurrency=args.concurrency,
         timeout=args.timeout,
         max_connections=max(64, (args.concurrency or 0) + 8),
+        pool_cache=pool_cache,
     ) as ctx:
         if kv is not None:
             kv.mark()
@@ -233,6 +247,17 @@ async def _fanout(
                 await asyncio.sleep(0.3)
                 baseline.kv_cells_peak, baseline.kv_cells_method = kv.read().peak, _kv_method()
         return result, baseline
+
+
+def pool_cache_of(args: argparse.Namespace) -> PoolCache | None:
+    """The pool cache ``--pool-cache`` / ``--no-pool-cache`` ask for (see the option's help)."""
+    if args.no_pool_cache:
+        return None
+    if args.pool_cache == "server":
+        return PoolCache(None)
+    if args.pool_cache:
+        return PoolCache(args.pool_cache)
+    return None if args.url else PoolCache.default()
 
 
 async def _erase_slots(ctx: SharedContext) -> None:
@@ -274,6 +299,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         sampling={k: v for k, v in (("temperature", args.temperature), ("seed", args.seed)) if v is not None},
     )
     progress = Progress(len(agents), enabled=not args.no_progress)
+    pool_cache = pool_cache_of(args)
     server = None
     info: dict[str, Any] = {}
     t_start = time.perf_counter()
@@ -292,6 +318,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 threads=args.threads,
                 extra_args=args.server_arg or (),
                 track_kv=not args.no_kv,
+                slot_save_path=pool_cache.save_path if pool_cache else None,
             )
             progress._say(
                 f"starting the patched llama-server ({parallel} agent slots + 1 pool slot, -c {args.ctx}) ...",
@@ -306,7 +333,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 "log": str(server.log_path),
                 "args": server.args,
             }
-        result, baseline = asyncio.run(_fanout(url, base, agents, args, progress, kv, server))
+        result, baseline = asyncio.run(_fanout(url, base, agents, args, progress, kv, server, pool_cache))
         if server is not None:
             info["rss_mib"] = round(server.usage().rss_bytes / 2**20, 1)
     finally:
@@ -378,6 +405,14 @@ def register(subparsers: Any) -> None:
     p.add_argument("--url", help="use a running patched llama-server (-kvu --no-clear-idle) instead of starting one")
     p.add_argument("--api-key", default=os.environ.get("POLYKV_API_KEY"), help="API key for --url")
     p.add_argument("--pool-slot", type=int, default=0, help="slot that holds the base (default 0)")
+    p.add_argument(
+        "--pool-cache",
+        metavar="DIR",
+        help="pool files: restore the base from here instead of computing it, save it after computing it "
+        "(default for a started server: $POLYKV_CACHE_DIR/pools; with --url: off, or 'server' for the "
+        "server's own --slot-save-path)",
+    )
+    p.add_argument("--no-pool-cache", action="store_true", help="always compute the base; save nothing")
     p.add_argument("--model", "-m", help="GGUF path (default: $POLYKV_MODEL or the default model)")
     p.add_argument(
         "--parallel",

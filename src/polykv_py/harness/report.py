@@ -94,8 +94,10 @@ def summary_table(result: FanoutResult, baseline: FanoutResult | None = None, *,
 def statuses_line(result: FanoutResult) -> str:
     """``hit 7, own_cache 1`` and the primes."""
     parts = ", ".join(f"{k} {v}" for k, v in sorted(result.statuses.items()))
-    primes = len(result.primes)
-    return f"share statuses: {parts}; pool primed {primes} time{'s' if primes != 1 else ''}"
+    restored = sum(p.restored_from is not None for p in result.primes)
+    primes = len(result.primes) - restored
+    line = f"share statuses: {parts}; pool primed {primes} time{'s' if primes != 1 else ''}"
+    return line + (f", restored from the pool cache {restored} time{'s' if restored != 1 else ''}" if restored else "")
 
 
 def dumps(doc: Any) -> str:

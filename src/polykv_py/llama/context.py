@@ -32,6 +32,11 @@ _FLASH = {
 }
 
 
+def _type_name(t: int) -> str:
+    """ggml's name of a tensor type ("f16", "q8_0")."""
+    return ffi.string(lib.ggml_type_name(t)).decode()
+
+
 class Context(OwnedPointer):
     """Owns a ``llama_context``. Use as a context manager or call :meth:`close`.
 
@@ -62,6 +67,7 @@ class Context(OwnedPointer):
         self.n_ubatch = int(lib.llama_n_ubatch(ptr))
         self.n_seq_max = int(lib.llama_n_seq_max(ptr))
         self.kv_unified = bool(p.kv_unified)
+        self._kv_types = (_type_name(cp.type_k), _type_name(cp.type_v))
         self.n_vocab = model.vocab.n_tokens
         self.tokens_decoded = 0
         self.memory = Memory(self)
@@ -76,6 +82,12 @@ class Context(OwnedPointer):
     def n_stream(self) -> int:
         """KV streams: 1 with unified KV, else one per sequence."""
         return 1 if self.kv_unified else self.n_seq_max
+
+    @property
+    def kv_layout(self) -> dict[str, Any]:
+        """What a saved sequence state needs to load here: KV streams and the K and V types
+        (the ``kv`` of a prefix file; the patched server reports its own in ``/props``)."""
+        return {"n_stream": self.n_stream, "type_k": self._kv_types[0], "type_v": self._kv_types[1]}
 
     # -- decoding -------------------------------------------------------------------
     def decode(self, batch: Batch) -> None:
@@ -221,7 +233,7 @@ class Context(OwnedPointer):
                 f"not the {len(toks)} tokens given ([0, {len(toks) - 1}])"
             )
         state = self.seq_state_bytes(seq_id)
-        return write_prefix_file(path, state, model=self.model.fingerprint(), tokens=toks, n_stream=self.n_stream)
+        return write_prefix_file(path, state, model=self.model.fingerprint(), tokens=toks, kv=self.kv_layout)
 
     def load_prefix(
         self, path: str | os.PathLike[str], seq_id: int, expected_tokens: Sequence[int] | None = None
@@ -236,7 +248,7 @@ class Context(OwnedPointer):
         tokens, state = read_prefix_file(
             path,
             model=self.model.fingerprint(),
-            n_stream=self.n_stream,
+            kv=self.kv_layout,
             n_ctx_seq=self.n_ctx_seq,
             check_tokens=self.model.vocab.check_tokens,
             expected_tokens=expected_tokens,

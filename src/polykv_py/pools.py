@@ -1,0 +1,225 @@
+"""Pool files: a reserved pool's KV saved once and restored after a restart, and the cache that keeps them.
+
+The patched server (patch 0075) saves a reserved pool with ``POST /slots/N?action=save`` and
+restores one with ``?action=restore`` into files under its ``--slot-save-path``, in the verified
+container of :mod:`polykv_py.llama.state` (the in-process engine reads and writes the same
+files). A restore is checked against the model (GGUF sha256 and shape), the KV layout, the
+tokens the caller expects and the pool's ``cache_salt`` before the pool is touched, and is
+refused with HTTP 400 naming the reason otherwise.
+
+This module has the requests, the pool states ``/slots`` reports, the file names (a hash of
+the model's identity, the KV layout, the tokens and the salt: never user text) and
+:class:`PoolCache`, a directory of pool files with a size limit (least recently used files go
+first) that ``polykv run``, ``polykv serve`` and the fan-out API share.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .cache import cache_dir
+from .errors import HTTPError, StateError
+from .llama.state import read_prefix_header, tokens_sha256
+
+log = logging.getLogger(__name__)
+
+Json = dict[str, Any]
+
+#: Suffix of the files :func:`pool_file_name` names.
+POOL_FILE_SUFFIX = ".pkvpool"
+#: Default size limit of a :class:`PoolCache` (``$POLYKV_POOL_CACHE_MAX_MB`` overrides it).
+DEFAULT_MAX_BYTES = 8 * 2**30
+MAX_ENV = "POLYKV_POOL_CACHE_MAX_MB"
+
+
+@dataclass(frozen=True)
+class PoolState:
+    """One reserved pool as ``GET /slots`` reports it (``polykv_pool_state``)."""
+
+    slot: int
+    n_tokens: int
+    resident: bool
+    tokens_sha256: str | None
+    salt_sha256: str | None  # sha256 of the pool's cache_salt; None: unsalted; "mixed"
+    hits: int  # shares taken from it since the server started
+    sharers: int  # slots that still hold its cells
+    last_use_s_ago: float | None
+    restored_from: str | None  # the file of its last restore (None: primed, or never filled)
+
+    @classmethod
+    def from_slot(cls, slot: Json) -> PoolState | None:
+        """The pool state of one ``/slots`` entry (None for a slot that is not a reserved pool)."""
+        st = slot.get("polykv_pool_state")
+        if not isinstance(st, dict):
+            return None
+        return cls(
+            slot=int(slot["id"]),
+            n_tokens=int(st.get("n_tokens", 0)),
+            resident=bool(st.get("resident")),
+            tokens_sha256=st.get("tokens_sha256"),
+            salt_sha256=st.get("salt_sha256"),
+            hits=int(st.get("hits", 0)),
+            sharers=int(st.get("sharers", 0)),
+            last_use_s_ago=st.get("last_use_s_ago"),
+            restored_from=st.get("restored_from"),
+        )
+
+
+def pool_states(slots: Sequence[Json]) -> list[PoolState]:
+    """The reserved pools among a ``GET /slots`` answer."""
+    return [s for s in (PoolState.from_slot(x) for x in slots) if s is not None]
+
+
+def salt_sha256(salt: str | None) -> str | None:
+    """How a pool file and ``/slots`` name a ``cache_salt``: its sha256 (None when unsalted)."""
+    return hashlib.sha256(salt.encode()).hexdigest() if salt else None
+
+
+def pool_file_name(identity: Json, tokens: Sequence[int], cache_salt: str | None = None) -> str:
+    """The cache file name of a pool: ``pool-<32 hex>.pkvpool``.
+
+    The hash covers what a restore must match: the server's ``pool_files`` identity from
+    ``/props`` (model sha256 and shape, KV layout, format), the tokens and the salt's hash. A
+    server with another model or KV layout therefore looks for another file (a miss), rather
+    than being refused one.
+    """
+    h = hashlib.sha256()
+    h.update(json.dumps(identity, sort_keys=True, separators=(",", ":")).encode())
+    h.update(tokens_sha256(list(tokens)).encode())
+    h.update((salt_sha256(cache_salt) or "-").encode())
+    return f"pool-{h.hexdigest()[:32]}{POOL_FILE_SUFFIX}"
+
+
+def action_body(filename: str, *, tokens: Sequence[int] | None = None, cache_salt: str | None = None) -> Json:
+    """The body of ``POST /slots/N?action=save|restore`` for a pool file."""
+    body: Json = {"filename": filename}
+    if tokens is not None:
+        body["tokens"] = list(tokens)
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
+    return body
+
+
+def is_missing(exc: HTTPError) -> bool:
+    """A restore refused because the file does not exist (a cache miss, not a bad file)."""
+    return exc.status == 400 and "no such file" in exc.server_message
+
+
+@dataclass(frozen=True)
+class PoolCacheEntry:
+    """One file of a :class:`PoolCache`."""
+
+    name: str
+    size: int
+    last_use: float  # the file's mtime: set when it is written or restored
+    n_tokens: int | None  # None: the header is unreadable (damaged or not a pool file)
+    model: str | None  # the model's description
+    created_by: str | None
+
+    def to_json(self) -> Json:
+        return {
+            "name": self.name,
+            "size": self.size,
+            "last_use": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.last_use)),
+            "n_tokens": self.n_tokens,
+            "model": self.model,
+            "created_by": self.created_by,
+        }
+
+
+class PoolCache:
+    """A directory of pool files, also the server's ``--slot-save-path``.
+
+    ``directory=None`` means the save path of a server this process did not start: files are
+    saved and restored there by name, and nothing is listed or removed from here. ``max_bytes``
+    bounds the directory: after a save the least recently used files (not the one just written)
+    are removed until the rest fit.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str] | None, max_bytes: int | None = None) -> None:
+        self.directory = Path(directory).expanduser() if directory is not None else None
+        env = os.environ.get(MAX_ENV)
+        self.max_bytes = max_bytes if max_bytes is not None else int(env) * 2**20 if env else DEFAULT_MAX_BYTES
+        if self.max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, not {self.max_bytes}")
+        if self.directory is not None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+
+    @classmethod
+    def default(cls, max_bytes: int | None = None) -> PoolCache:
+        """``<polykv cache>/pools`` (see :func:`polykv_py.cache.cache_dir`)."""
+        return cls(cache_dir() / "pools", max_bytes)
+
+    @property
+    def save_path(self) -> str | None:
+        """The ``--slot-save-path`` a server started for this cache needs (with its trailing slash)."""
+        return None if self.directory is None else f"{self.directory}{os.sep}"
+
+    def _files(self) -> list[Path]:
+        if self.directory is None:
+            return []
+        return sorted(p for p in self.directory.iterdir() if p.is_file() and p.name.endswith(POOL_FILE_SUFFIX))
+
+    def entries(self) -> list[PoolCacheEntry]:
+        """The pool files, most recently used first."""
+        out = []
+        for p in self._files():
+            st = p.stat()
+            try:
+                header = read_prefix_header(p)
+                n, model, by = (
+                    header.get("n_tokens"),
+                    (header.get("model") or {}).get("description"),
+                    header.get("created_by"),
+                )
+            except StateError:
+                n = model = by = None
+            out.append(PoolCacheEntry(p.name, st.st_size, st.st_mtime, n, model, by))
+        return sorted(out, key=lambda e: e.last_use, reverse=True)
+
+    def total_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self._files())
+
+    def touch(self, name: str) -> None:
+        """Mark ``name`` as used now (its mtime), so eviction keeps it longest."""
+        if self.directory is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.utime(self.directory / name)
+
+    def evict(self, keep: Sequence[str] = ()) -> list[PoolCacheEntry]:
+        """Remove least recently used files (never those in ``keep``) until the rest fit ``max_bytes``."""
+        removed: list[PoolCacheEntry] = []
+        entries = self.entries()
+        total = sum(e.size for e in entries)
+        for e in reversed(entries):  # least recently used first
+            if total <= self.max_bytes:
+                break
+            if e.name in keep:
+                continue
+            assert self.directory is not None
+            (self.directory / e.name).unlink(missing_ok=True)
+            total -= e.size
+            removed.append(e)
+            log.info("pool cache: removed %s (%d bytes, least recently used) to stay under %d bytes",
+                     e.name, e.size, self.max_bytes)  # fmt: skip
+        return removed
+
+    def clear(self) -> int:
+        """Remove every pool file and every partial file a killed save left; returns how many."""
+        if self.directory is None:
+            return 0
+        n = 0
+        for p in self.directory.iterdir():
+            if p.is_file() and (p.name.endswith(POOL_FILE_SUFFIX) or f"{POOL_FILE_SUFFIX}.part." in p.name):
+                p.unlink(missing_ok=True)
+                n += 1
+        return n

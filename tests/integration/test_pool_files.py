@@ -1,0 +1,359 @@
+"""Pool files (patch 0075): a reserved pool saved to a verified file and restored, on the real server.
+
+A restored pool must be resident (upstream's own restore into an ordinary slot is reported as
+"restored" while the next request recomputes everything, llama.cpp issue 26676) and must
+share exactly like a primed one: ``hit``, and the same answers byte for byte. Every file the
+server should refuse is refused with HTTP 400 naming the reason, with the pool untouched (a
+bad file) or empty (a good file that does not fit), and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import signal
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from polykv_py.client import Client, Request, Share
+from polykv_py.errors import HTTPError
+from polykv_py.llama.state import MAGIC, read_prefix_header, tokens_sha256
+from polykv_py.presets import NO_HOST_CACHE, UNIFIED_KV, pool_slot_args, slots_args
+from polykv_py.server import LlamaServer
+
+pytestmark = pytest.mark.integration
+
+POOL, AGENTS = 0, (1, 2)
+CTX = 4096
+GREEDY: dict[str, Any] = {"temperature": 0, "n_predict": 8, "cache_prompt": True}
+BASE = "\n".join(
+    f"Entry {i}: the ledger records {i * 13 % 97} crates of item {i} on pier {i % 7}, checked by clerk {i % 5}."
+    for i in range(40)
+)
+QUESTIONS = (
+    "\nQuestion: how many crates does entry 12 record?\nAnswer:",
+    "\nQuestion: which pier holds item 30?\nAnswer:",
+)
+
+
+def server_args(save: Path, *, unified: bool = True, extra: tuple[str, ...] = ()) -> list[str]:
+    return [
+        *([UNIFIED_KV] if unified else []),
+        *slots_args(3, CTX),
+        *NO_HOST_CACHE,
+        "--slots",
+        "--slot-save-path",
+        f"{save}/",
+        *pool_slot_args([POOL]),
+        *extra,
+    ]
+
+
+def start(bin_: Path, model: Path, logs: Path, args: list[str], name: str = "pool-files") -> LlamaServer:
+    return LlamaServer(bin_, model, args, log_dir=logs, name=name, threads=2).start()
+
+
+@pytest.fixture(scope="module")
+def save_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("pool-files")
+
+
+@pytest.fixture(scope="module")
+def srv(
+    patched_server_bin: Path, model_path: Path, save_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LlamaServer]:
+    s = start(patched_server_bin, model_path, tmp_path_factory.mktemp("logs"), server_args(save_dir))
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def answers(c: Client, share: bool = True) -> list[dict[str, Any]]:
+    """The two agents' answers, one at a time, each on its own slot."""
+    out = []
+    for slot, q in zip(AGENTS, QUESTIONS, strict=True):
+        c.erase_slot(slot)
+        out.append(c.completion(BASE + q, share=Share(POOL) if share else None, id_slot=slot, **GREEDY))
+    return out
+
+
+def status_of(res: dict[str, Any]) -> str:
+    return str(res["shared_prefix"]["status"])
+
+
+def pool(c: Client) -> Any:
+    (p,) = [p for p in c.pools() if p.slot == POOL]
+    return p
+
+
+@pytest.fixture(scope="module")
+def saved(srv: LlamaServer, save_dir: Path) -> dict[str, Any]:
+    """Prime the pool, record the sharers' answers, save the pool: ``{"tokens", "answers", "file"}``."""
+    with Client(srv.url) as c:
+        tokens = c.prompt_tokens(BASE)
+        c.erase_slot(POOL)
+        c.prime(tokens, POOL)
+        first = answers(c)
+        assert [status_of(a) for a in first] == ["hit", "hit"]
+        res = c.save_pool(POOL, "base.pkvpool")
+    assert res["n_saved"] == len(tokens) and res["polykv"]["tokens_sha256"] == tokens_sha256(tokens)
+    assert res["n_written"] == (save_dir / "base.pkvpool").stat().st_size
+    return {"tokens": tokens, "answers": [a["content"] for a in first], "file": save_dir / "base.pkvpool"}
+
+
+def rewrite(src: Path, dst: Path, *, state: bytes | None = None, **changes: Any) -> None:
+    """Copy a pool file with header fields changed (hashes left as they were unless changed too)."""
+    raw = src.read_bytes()
+    (n,) = struct.unpack("<I", raw[len(MAGIC) : len(MAGIC) + 4])
+    header = json.loads(raw[len(MAGIC) + 4 : len(MAGIC) + 4 + n])
+    for key, value in changes.items():
+        section, _, field = key.partition("__")
+        if field:
+            header[section][field] = value
+        else:
+            header[key] = value
+    new = json.dumps(header).encode()
+    dst.write_bytes(
+        MAGIC + struct.pack("<I", len(new)) + new + (state if state is not None else raw[len(MAGIC) + 4 + n :])
+    )
+
+
+def refused(c: Client, name: str, reason: str, **kw: Any) -> str:
+    with pytest.raises(HTTPError) as err:
+        c.restore_pool(POOL, name, **kw)
+    assert err.value.status == 400
+    assert reason in err.value.server_message, err.value.server_message
+    return err.value.server_message
+
+
+# ------------------------------------------------------------------------------ restore
+def test_restore_after_restart_is_resident_and_answers_the_same(srv: LlamaServer, saved: dict[str, Any]) -> None:
+    srv.restart()
+    with Client(srv.url) as c:
+        assert not pool(c).resident
+        t0 = time.perf_counter()
+        res = c.restore_pool(POOL, "base.pkvpool", tokens=saved["tokens"])
+        wall = time.perf_counter() - t0
+        assert res["n_restored"] == len(saved["tokens"]) and res["polykv"]["resident"] is True
+        st = pool(c)
+        assert st.resident and st.n_tokens == len(saved["tokens"]) and st.restored_from == "base.pkvpool"
+        again = answers(c)
+        n_prompts = [len(c.prompt_tokens(BASE + q)) for q in QUESTIONS]
+    assert [status_of(a) for a in again] == ["hit", "hit"]
+    assert [a["timings"]["prompt_n"] for a in again] == [n - len(saved["tokens"]) for n in n_prompts], (
+        "a restored pool's tokens were computed again"
+    )
+    assert [a["content"] for a in again] == saved["answers"]
+    assert wall < 5.0
+
+
+def test_listing_counts_hits_and_sharers(srv: LlamaServer, saved: dict[str, Any]) -> None:
+    with Client(srv.url) as c:
+        c.restore_pool(POOL, "base.pkvpool")
+        before = pool(c)
+        answers(c)
+        after = pool(c)
+        assert after.hits == before.hits + 2
+        assert after.sharers == 2  # both agent slots still hold the pool's cells
+        assert after.last_use_s_ago is not None and after.last_use_s_ago < 30
+        assert after.salt_sha256 is None and after.tokens_sha256 == tokens_sha256(saved["tokens"])
+        c.erase_slot(AGENTS[0])
+        assert pool(c).sharers == 1
+        assert c.pool_features().pool_files["model"]["sha256"] == hashlib.sha256(srv.model.read_bytes()).hexdigest()
+
+
+# ------------------------------------------------------------------------------ refusals
+def test_bad_files_are_refused_and_change_nothing(srv: LlamaServer, saved: dict[str, Any], save_dir: Path) -> None:
+    src: Path = saved["file"]
+    raw = src.read_bytes()
+    (save_dir / "truncated.pkvpool").write_bytes(raw[: len(raw) - 1000])
+    flipped = bytearray(raw)
+    flipped[-500] ^= 0xFF
+    (save_dir / "flipped.pkvpool").write_bytes(bytes(flipped))
+    (save_dir / "not-ours.pkvpool").write_bytes(b"ggsq" + bytes(200))
+    rewrite(src, save_dir / "other-model.pkvpool", model__sha256="0" * 64)
+    rewrite(src, save_dir / "other-kv.pkvpool", kv__type_k="q8_0")
+    bad_tokens = [*saved["tokens"][:-1], 10**7]
+    rewrite(src, save_dir / "vocab.pkvpool", tokens=bad_tokens, tokens_sha256=tokens_sha256(bad_tokens))
+    with Client(srv.url) as c:
+        c.restore_pool(POOL, "base.pkvpool")
+        cases = {
+            "truncated.pkvpool": "damaged file",
+            "flipped.pkvpool": "state does not match its crc32",
+            "not-ours.pkvpool": "bad magic",
+            "other-model.pkvpool": "saved from another model (differs in sha256)",
+            "other-kv.pkvpool": "another KV layout (differs in type_k",
+            "vocab.pkvpool": "not in this model's vocabulary",
+            "missing.pkvpool": "no such file",
+        }
+        for name, reason in cases.items():
+            refused(c, name, reason)
+        refused(c, "base.pkvpool", "other tokens than expected", tokens=saved["tokens"][:-1])
+        refused(c, "base.pkvpool", "first difference at 3", tokens=[*saved["tokens"][:3], 7, *saved["tokens"][4:]])
+        refused(c, "base.pkvpool", "unsalted pool", cache_salt="team-a")
+        for body, reason in (
+            ({"tokens": "abc"}, "tokens"),
+            ({"cache_salt": 5}, "cache_salt"),
+            ({"tokens_sha256": "xyz"}, "tokens_sha256"),
+        ):
+            with pytest.raises(HTTPError, match=reason) as err:
+                c.send(Request.post(f"/slots/{POOL}?action=restore", {"filename": "base.pkvpool", **body}))
+            assert err.value.status == 400
+        # the pool was never touched: still resident, sharers hit with the same answers
+        assert pool(c).resident and pool(c).restored_from == "base.pkvpool"
+        again = answers(c)
+    assert [status_of(a) for a in again] == ["hit", "hit"]
+    assert [a["content"] for a in again] == saved["answers"]
+
+
+def test_salted_pool_needs_its_salt(srv: LlamaServer, saved: dict[str, Any]) -> None:
+    with Client(srv.url) as c:
+        c.erase_slot(POOL)
+        c.prime(saved["tokens"], POOL, cache_salt="team-a")
+        res = c.save_pool(POOL, "salted.pkvpool")
+        assert res["polykv"]["salt_sha256"] == hashlib.sha256(b"team-a").hexdigest()
+        header = read_prefix_header(saved["file"].with_name("salted.pkvpool"))
+        assert "team-a" not in json.dumps(header), "the salt itself must not be written"
+        refused(c, "salted.pkvpool", "salted pool: give its cache_salt")
+        refused(c, "salted.pkvpool", "another cache_salt", cache_salt="team-b")
+        c.restore_pool(POOL, "salted.pkvpool", cache_salt="team-a")
+        assert pool(c).salt_sha256 == hashlib.sha256(b"team-a").hexdigest()
+        c.erase_slot(AGENTS[0])
+        salted = c.completion(BASE + QUESTIONS[0], share=Share(POOL), id_slot=AGENTS[0], cache_salt="team-a", **GREEDY)
+        c.erase_slot(AGENTS[0])
+        unsalted = c.completion(BASE + QUESTIONS[0], share=Share(POOL), id_slot=AGENTS[0], **GREEDY)
+    assert status_of(salted) == "hit" and salted["content"] == saved["answers"][0]
+    assert status_of(unsalted) == "salt_mismatch"  # computed alone: its own cell layout, so no byte comparison
+
+
+def test_file_that_does_not_fit_leaves_the_pool_empty(
+    patched_server_bin: Path, model_path: Path, saved: dict[str, Any], save_dir: Path, tmp_path: Path
+) -> None:
+    """A verified file with no room for its cells: refused, the pool empty (not half-loaded), the server serving."""
+    n = len(saved["tokens"])
+    small = start(
+        patched_server_bin, model_path, tmp_path, [*server_args(save_dir), "-c", str(n + 600)], "pool-files-small"
+    )
+    try:
+        with Client(small.url) as c:
+            filler = " ".join(f"w{i}" for i in range(2000))
+            c.prime(c.prompt_tokens(filler)[: n // 2 + 300], AGENTS[0])  # the agent slots hold most cells
+            c.prime(c.prompt_tokens("x " + filler)[: n // 2 + 300], AGENTS[1])
+            msg = refused(c, "base.pkvpool", "no room")
+            assert str(n) in msg
+            assert not pool(c).resident
+            c.erase_slot(AGENTS[0])
+            c.erase_slot(AGENTS[1])
+            c.restore_pool(POOL, "base.pkvpool")
+            res = c.completion(BASE + QUESTIONS[0], share=Share(POOL), id_slot=AGENTS[0], **GREEDY)
+        assert status_of(res) == "hit" and res["content"] == saved["answers"][0]
+    finally:
+        small.stop()
+
+
+def test_other_stream_layout_is_refused(
+    patched_server_bin: Path, model_path: Path, saved: dict[str, Any], save_dir: Path, tmp_path: Path
+) -> None:
+    """A file saved with unified KV, restored on a server with one KV stream per slot."""
+    split = start(patched_server_bin, model_path, tmp_path, server_args(save_dir, unified=False), "pool-files-split")
+    try:
+        with Client(split.url) as c:
+            refused(c, "base.pkvpool", "another KV layout (differs in n_stream")
+            assert not pool(c).resident
+            assert c.completion("Hello", n_predict=2)["content"] is not None
+    finally:
+        split.stop()
+
+
+def test_killed_save_never_leaves_a_file_a_restore_accepts(
+    patched_server_bin: Path, model_path: Path, saved: dict[str, Any], tmp_path: Path
+) -> None:
+    """SIGKILL the server while it saves: whatever is left under the name is whole or absent."""
+    save = tmp_path / "saves"
+    save.mkdir()
+    long_base = " ".join(f"token{i}" for i in range(1500))
+    outcomes = []
+    for i, delay in enumerate((0.0, 0.01, 0.03, 0.06, 0.1)):
+        s = start(patched_server_bin, model_path, tmp_path, server_args(save), "pool-files-kill")
+        try:
+            with Client(s.url) as c:
+                c.prime(c.prompt_tokens(long_base)[:1500], POOL)
+                errors: list[BaseException] = []
+                name = f"killed-{i}.pkvpool"
+                t = threading.Thread(target=_try, args=(lambda c=c, name=name: c.save_pool(POOL, name), errors))
+                t.start()
+                time.sleep(delay)
+                os.kill(s.pid, signal.SIGKILL)
+                t.join(timeout=30)
+        finally:
+            s.stop()
+        f = save / name
+        outcomes.append("whole" if f.exists() else "absent")
+        if f.exists():  # the rename happened: the file must be complete
+            raw = f.read_bytes()
+            header = read_prefix_header(f)
+            (n,) = struct.unpack("<I", raw[len(MAGIC) : len(MAGIC) + 4])
+            state = raw[len(MAGIC) + 4 + n :]
+            assert len(state) == header["state_bytes"]
+            assert zlib.crc32(state) == header["state_crc32"]
+    # whatever a killed save left besides (a partial ".part.<pid>" file) is refused by a restore
+    s = start(patched_server_bin, model_path, tmp_path, server_args(save), "pool-files-after-kill")
+    try:
+        with Client(s.url) as c:
+            for part in sorted(save.glob("*.part.*")):
+                refused(c, part.name, "")  # bad magic, damaged header or damaged state
+            for whole in sorted(save.glob("killed-*.pkvpool")):
+                c.restore_pool(POOL, whole.name)
+                assert pool(c).resident
+    finally:
+        s.stop()
+    logging.getLogger(__name__).info(
+        "killed saves: %s, partial files left: %d", outcomes, len(list(save.glob("*.part.*")))
+    )
+
+
+def _try(call: Any, errors: list[BaseException]) -> None:
+    try:
+        call()
+    except Exception as exc:  # the server is killed under the request
+        errors.append(exc)
+
+
+# ------------------------------------------------------------------------------ one format, two faces
+def test_engine_and_server_read_each_others_files(srv: LlamaServer, saved: dict[str, Any], save_dir: Path) -> None:
+    """The in-process engine restores the server's file, and the server restores the engine's."""
+    from polykv_py.llama import Model
+
+    tokens = saved["tokens"]
+    with (
+        Model(srv.model, n_gpu_layers=0) as m,
+        m.context(
+            n_ctx=CTX, n_seq_max=3, kv_unified=True, flash_attn="on", n_threads=2, n_ubatch=512, n_batch=2048
+        ) as ctx,
+    ):
+        assert ctx.load_prefix(saved["file"], 0, expected_tokens=tokens) == tokens
+        assert (ctx.memory.seq_pos_min(0), ctx.memory.seq_pos_max(0)) == (0, len(tokens) - 1)
+        ctx.memory.seq_rm(0)
+        ctx.decode_tokens(tokens, seq_id=0, logits_last=False)
+        ctx.save_prefix(save_dir / "engine.pkvpool", 0, tokens)
+    engine_header = read_prefix_header(save_dir / "engine.pkvpool")
+    server_header = read_prefix_header(saved["file"])
+    assert engine_header["model"] == server_header["model"] and engine_header["kv"] == server_header["kv"]
+    with Client(srv.url) as c:
+        res = c.restore_pool(POOL, "engine.pkvpool", tokens=tokens)
+        assert res["polykv"]["resident"]
+        again = answers(c)
+    assert [status_of(a) for a in again] == ["hit", "hit"]
+    # the same kernels and batch sizes on the same machine: the engine computed the server's KV bit for bit
+    assert engine_header["state_crc32"] == server_header["state_crc32"]
+    assert [a["content"] for a in again] == saved["answers"]

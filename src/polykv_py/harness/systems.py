@@ -91,8 +91,9 @@ def best_stock(walls: dict[str, float | None]) -> tuple[str, float] | None:
 
 
 def start_system_server(
-    system: System, slots: int, cells: int, *, model: str | None, threads: int, name: str
+    system: System, slots: int, cells: int, *, model: str | None, threads: int, name: str, save_path: str | None = None
 ) -> LlamaServer:
-    """A started server for ``system`` with ``slots`` slots and ``cells`` KV cells, logging its KV cells in use."""
-    args = [*slots_args(slots, cells), "--slots", *slot_actions_args(), *system.flags]
+    """A started server for ``system`` with ``slots`` slots and ``cells`` KV cells, logging its KV cells in use
+    (``save_path``: its ``--slot-save-path``, else a fresh directory)."""
+    args = [*slots_args(slots, cells), "--slots", *slot_actions_args(save_path), *system.flags]
     return custom_server(system.kind, args, model=model, threads=threads, track_kv=True, name=name).start()

@@ -363,6 +363,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from ..harness import benchmark
 
     _quiet_http_log()
+    if args.restart:
+        from ..harness import restart
+
+        cfg = restart.RestartConfig(threads=args.threads, model=args.model, out_dir=Path(args.out) / "restart")
+        cfg.ns, cfg.ps = args.n or cfg.ns, args.p or cfg.ps
+        restart.run(cfg)
+        return 0
     return benchmark.run_from_args(args)
 
 
@@ -442,4 +449,10 @@ def register(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     benchmark.add_arguments(p)
+    p.add_argument(
+        "--restart",
+        action="store_true",
+        help="the restart scenario instead (harness/restart.py: a saved pool restored after a restart vs the stock "
+        "server cold and restoring its own slot files; --n, --p, --threads, --model; writes OUT/restart)",
+    )
     p.set_defaults(func=_cmd_bench)

@@ -272,6 +272,11 @@ def run_engine_cell(n: int, p: int, cfg: BenchConfig, base: str, suffixes: list[
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _last_lines(text: str, n: int = 4, limit: int = 600) -> str:
+    """The end of an error (a traceback's last lines name the exception), at most ``limit`` characters."""
+    return " | ".join(text.strip().splitlines()[-n:])[-limit:]
+
+
 def _engine_child(job: Json) -> Json:
     import resource
 
@@ -469,7 +474,7 @@ class Bench:
                     cell = run_engine_cell(n, p, cfg, *engine_inputs[(n, p)])
                 except (PolykvError, subprocess.TimeoutExpired, ValueError) as exc:
                     engine_ok = False
-                    note = f"engine skipped from N={n} P={p} on: {str(exc)[:300]}"
+                    note = f"engine skipped from N={n} P={p} on: {_last_lines(str(exc))}"
                     self.notes.append(note)
                     self.say(note)
                     continue

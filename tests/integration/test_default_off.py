@@ -157,6 +157,10 @@ def test_unused_pool_slots_identical_to_reference(
     # handed out in arrival order, which the concurrent requests race for on either server)
     assert [s.get("polykv_pool", False) for s in got_slots] == [True, False, False, False]
     got_slots[0].pop("polykv_pool")
+    # ... and its "polykv_pool_state" (patch 0075): never used, so empty and never hit
+    state = got_slots[0].pop("polykv_pool_state")
+    assert (state["resident"], state["n_tokens"], state["hits"], state["sharers"]) == (False, 0, 0, 0)
+    assert not any("polykv_pool_state" in s for s in got_slots[1:])
     same, diff = compare(got_slots, ref_slots, (*VOLATILE_FIELDS, "id_task"), (*VOLATILE_FIELDS, "id_task"))
     assert same, diff
 

@@ -209,6 +209,8 @@ def test_reprime_under_another_salt_recomputes(auto_server: str) -> None:
 # ----------------------------------------------------------------- step 4: /props, prompt arrays
 def test_props_polykv_object(auto_server: str) -> None:
     props = httpx.get(auto_server + "/props", timeout=30, trust_env=False).json()
+    files = props["polykv"].pop("pool_files")  # what a pool file must match here (patch 0075)
+    assert files["format"] == 2 and set(files) == {"format", "model", "kv"}
     assert props["polykv"] == {"pool_slots": [0], "pool_auto": True, "pool_auto_min_tokens": MIN_TOKENS}
 
 

@@ -21,6 +21,7 @@ reset from the same history.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -224,7 +225,11 @@ def test_shared_pool_slot_without_p_lets_the_server_compute_it(
 
 def test_props_announce_the_pools(patched: LlamaServer) -> None:
     features = Client(patched.url).pool_features()
-    assert features == PoolFeatures(pool_slots=(0, 1, 2), pool_auto=True, pool_auto_min_tokens=64, server_prefix=True)
+    files = features.pool_files
+    assert files is not None and files["format"] == 2 and files["kv"]["n_stream"] == 1  # patch 0075
+    assert dataclasses.replace(features, pool_files=None) == PoolFeatures(
+        pool_slots=(0, 1, 2), pool_auto=True, pool_auto_min_tokens=64, server_prefix=True
+    )
 
 
 def test_shared_pool_slot_must_name_a_reserved_pool(patched: LlamaServer) -> None:

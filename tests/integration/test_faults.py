@@ -217,6 +217,8 @@ def test_more_agents_than_the_context_holds(patched_server_bin: Path, model_path
                 n_prompt = [len(await ctx.agent_tokens(a)) for a in [*crowd, huge]]
                 res = await ctx.run(crowd)
                 alone = await ctx.run([huge])
+                for slot in range(1, 5):  # the agent slots forget the base: only the pool can serve it now
+                    await client.erase_slot(slot)
                 after = await ctx.run(probe)  # the pool, after the KV cache was full
                 again = None if after.agents[0].status == "hit" else await ctx.run(probe)
                 return res, n_prompt, alone, after, again

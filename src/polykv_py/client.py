@@ -23,7 +23,16 @@ import functools
 import json
 import logging
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    MutableMapping,
+    Sequence,
+)
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypedDict, TypeVar, Unpack
 
@@ -250,6 +259,18 @@ def _raise_stream_error(chunk: Json, url: str) -> Json:
     return chunk
 
 
+def chunk_finishes(chunk: Json) -> bool:
+    """True for the chunk that ends an answer: ``stop: true`` (``/completion``) or a ``finish_reason``."""
+    if chunk.get("stop") is True:
+        return True
+    return any(c.get("finish_reason") for c in chunk.get("choices") or [] if isinstance(c, dict))
+
+
+def _incomplete(url: str) -> ServerUnavailableError:
+    """The error for a stream that ended before its final chunk (the server or a gateway's replica went away)."""
+    return ServerUnavailableError(f"the answer stream from {url} ended before the answer was complete")
+
+
 def aggregate_completion(chunks: list[Json]) -> Json:
     """Fold ``/completion`` stream chunks into one result shaped like the non-stream answer."""
     final: Json = {}
@@ -352,6 +373,7 @@ class Request(Generic[T]):
     path: str
     body: Json | None = None
     parse: Callable[[httpx.Response], T] = _json
+    headers: Mapping[str, str] | None = None  # besides the client's own (e.g. a gateway's routing key)
 
     @staticmethod
     def get(path: str) -> Request[Any]:
@@ -364,9 +386,9 @@ class Request(Generic[T]):
         return Request("POST", path, body, parse)
 
     @staticmethod
-    def stream(path: str, body: Json) -> Request[Any]:
+    def stream(path: str, body: Json, headers: Mapping[str, str] | None = None) -> Request[Any]:
         """``POST body`` with ``stream: true``: the answer is a stream of SSE chunks."""
-        return Request("POST", path, {**body, "stream": True})
+        return Request("POST", path, {**body, "stream": True}, headers=headers)
 
 
 def generation_body(key: str, first: Any, share: Share | None, params: dict[str, Any]) -> Json:
@@ -420,12 +442,14 @@ METRICS = Request("GET", "/metrics", parse=_metrics)
 # ---------------------------------------------------------------------- clients
 class ClientOptions(TypedDict, total=False):
     """The options both clients take: ``api_key`` (sent as a bearer token), ``timeout`` (seconds a request
-    may wait for the next bytes) and ``server`` (the process behind the URL: a failed request then says
-    whether it exited, with its exit status and log tail)."""
+    may wait for the next bytes), ``server`` (the process behind the URL: a failed request then says
+    whether it exited, with its exit status and log tail) and ``headers`` (sent with every request, e.g.
+    a gateway's routing key, :data:`polykv_py.gateway.ROUTING_KEY_HEADER`)."""
 
     api_key: str | None
     timeout: float
     server: _LogSource | None
+    headers: Mapping[str, str] | None
 
 
 class _Base:
@@ -438,11 +462,12 @@ class _Base:
         api_key: str | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         server: _LogSource | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.server = server
         self._pool_features: PoolFeatures | None = None
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._headers = {**(headers or {}), **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
         #: what either httpx client is made with (no proxies from the environment: the server is local)
         self._http_options: dict[str, Any] = {
             "base_url": self.base_url,
@@ -512,21 +537,28 @@ class Client(_Base):
     def send(self, req: Request[T]) -> T:
         """Send ``req`` and read its answer; raise on transport failure or an error status."""
         try:
-            resp = self._http.request(req.method, req.path, json=req.body)
+            resp = self._http.request(req.method, req.path, json=req.body, headers=req.headers)
         except httpx.TransportError as exc:
             raise self._failed(exc, req.path) from exc
         return self._read(req, resp)
 
-    def events(self, req: Request[Any]) -> Iterator[Json]:
-        """Send the stream request ``req`` and yield each SSE chunk (raises on an error event)."""
+    def events(self, req: Request[Any], meta: MutableMapping[str, Any] | None = None) -> Iterator[Json]:
+        """Send the stream request ``req`` and yield each SSE chunk (raises on an error event, and when the
+        stream ends before its final chunk). ``meta["headers"]`` receives the response headers."""
+        finished = False
         try:
-            with self._http.stream(req.method, req.path, json=req.body) as resp:
+            with self._http.stream(req.method, req.path, json=req.body, headers=req.headers) as resp:
+                if meta is not None:
+                    meta["headers"] = resp.headers
                 if resp.status_code >= 400:
                     self._check(resp, resp.read())
                 for chunk in parse_sse(resp.iter_lines()):
+                    finished = finished or chunk_finishes(chunk)
                     yield self._chunk(chunk, req)
         except httpx.TransportError as exc:
             raise self._failed(exc, req.path) from exc
+        if not finished:
+            raise _incomplete(f"{self.base_url}{req.path}")
 
     def _stream_result(self, path: str, body: Json) -> StreamResult:
         return stream_result(path, list(self.events(Request.stream(path, body))))
@@ -696,21 +728,28 @@ class AsyncClient(_Base):
     async def send(self, req: Request[T]) -> T:
         """Send ``req`` and read its answer; raise on transport failure or an error status."""
         try:
-            resp = await self._http.request(req.method, req.path, json=req.body)
+            resp = await self._http.request(req.method, req.path, json=req.body, headers=req.headers)
         except httpx.TransportError as exc:
             raise await self._failed(exc, req.path) from exc
         return self._read(req, resp)
 
-    async def events(self, req: Request[Any]) -> AsyncIterator[Json]:
-        """Send the stream request ``req`` and yield each SSE chunk (raises on an error event)."""
+    async def events(self, req: Request[Any], meta: MutableMapping[str, Any] | None = None) -> AsyncIterator[Json]:
+        """Send the stream request ``req`` and yield each SSE chunk (raises on an error event, and when the
+        stream ends before its final chunk). ``meta["headers"]`` receives the response headers."""
+        finished = False
         try:
-            async with self._http.stream(req.method, req.path, json=req.body) as resp:
+            async with self._http.stream(req.method, req.path, json=req.body, headers=req.headers) as resp:
+                if meta is not None:
+                    meta["headers"] = resp.headers
                 if resp.status_code >= 400:
                     self._check(resp, await resp.aread())
                 async for chunk in aparse_sse(resp.aiter_lines()):
+                    finished = finished or chunk_finishes(chunk)
                     yield self._chunk(chunk, req)
         except httpx.TransportError as exc:
             raise await self._failed(exc, req.path) from exc
+        if not finished:
+            raise _incomplete(f"{self.base_url}{req.path}")
 
     async def _stream_result(self, path: str, body: Json) -> StreamResult:
         return stream_result(path, [chunk async for chunk in self.events(Request.stream(path, body))])
@@ -727,9 +766,19 @@ class AsyncClient(_Base):
         """POST ``body`` to ``path`` and decode JSON."""
         return await self.send(Request.post(path, body))
 
-    def stream_events(self, path: str, body: Json) -> AsyncIterator[Json]:
-        """POST with ``stream: true`` and yield each SSE chunk (raises on an error event); use ``async for``."""
-        return self.events(Request.stream(path, body))
+    def stream_events(
+        self,
+        path: str,
+        body: Json,
+        *,
+        headers: Mapping[str, str] | None = None,
+        meta: MutableMapping[str, Any] | None = None,
+    ) -> AsyncIterator[Json]:
+        """POST with ``stream: true`` and yield each SSE chunk (raises on an error event); use ``async for``.
+
+        ``headers`` go with this request only; ``meta["headers"]`` receives the response headers.
+        """
+        return self.events(Request.stream(path, body, headers), meta)
 
     # -- endpoints
     async def health(self) -> Json:

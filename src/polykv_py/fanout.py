@@ -28,12 +28,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
 
 from .client import CHAT, COMPLETION, DEFAULT_TIMEOUT, AsyncClient, PoolFeatures, Share, aggregate, generation_body
 from .errors import HTTPError, PolykvError, ServerUnavailableError
+from .gateway import ROUTED_WORKER_HEADER
 from .pools import PoolCache, is_missing, pool_file_name
 from .results import (
     ERROR,
@@ -140,9 +141,12 @@ ProgressCallback = Callable[[str, Any], None]
 
 
 # --------------------------------------------------------------------------- logic
-def chunk_has_text(chunk: Json, mode: Mode) -> bool:
-    """True for a stream chunk that carries generated text (for time-to-first-token)."""
-    if mode == "completion":
+def chunk_has_text(chunk: Json, mode: Mode | str) -> bool:
+    """True for a stream chunk that carries generated text (for time-to-first-token).
+
+    ``mode``: the agent mode, or the endpoint (``/completion`` is the native answer, the rest OpenAI's).
+    """
+    if mode in ("completion", COMPLETION):
         return bool(chunk.get("content")) or bool(chunk.get("tokens"))
     for choice in chunk.get("choices") or []:
         delta = choice.get("delta") or {}
@@ -151,9 +155,9 @@ def chunk_has_text(chunk: Json, mode: Mode) -> bool:
     return False
 
 
-def answer_text(final: Json, mode: Mode) -> tuple[str, str | None]:
-    """(text, finish reason) of a final answer."""
-    if mode == "completion":
+def answer_text(final: Json, mode: Mode | str) -> tuple[str, str | None]:
+    """(text, finish reason) of a final answer (``mode`` as for :func:`chunk_has_text`)."""
+    if mode in ("completion", COMPLETION):
         return str(final.get("content", "")), final.get("stop_type")
     choices = final.get("choices") or [{}]
     msg = choices[0].get("message") or {}
@@ -190,6 +194,20 @@ def needs_reprime(status: str, *, server_prefix: bool = False) -> bool:
     ``no_prefix`` says so too: every agent's prompt starts with the base, so only a pool that
     lost it has nothing in common with the prompt."""
     return status in REPRIME_STATUSES or (server_prefix and status == "no_prefix")
+
+
+def routed_replica(headers: Mapping[str, str] | None) -> str | None:
+    """The replica a gateway sent a request to (smg's ``x-smg-routed-worker-id``), else None."""
+    return None if headers is None else headers.get(ROUTED_WORKER_HEADER)
+
+
+def token_probs(final: Json) -> list[Json] | None:
+    """The per-token probabilities of an answer (``n_probs``), native or OpenAI-shaped; None without them."""
+    probs = final.get("completion_probabilities")
+    if probs is None:
+        lp = ((final.get("choices") or [{}])[0] or {}).get("logprobs")
+        probs = lp.get("content") if isinstance(lp, dict) else None
+    return list(probs) if isinstance(probs, list) and probs else None
 
 
 def server_shared(sp: Json | None) -> int:
@@ -235,6 +253,9 @@ class SharedContext:
         pool_cache: PoolCache | None = None,
     ) -> None:
         self.client = client
+        #: where the pool lives and tokens are counted: the same server, unless requests go through a
+        #: gateway (:class:`~polykv_py.routing.RoutedContext` points it at the pool's replica)
+        self.pool_client = client
         self.base = base
         self.pool_slot = pool_slot
         self.share = share
@@ -306,7 +327,7 @@ class SharedContext:
     async def _tokens(self, text: str) -> list[int]:
         toks = self._tokens_cache.get(text)
         if toks is None:
-            toks = await self._retry(lambda: self.client.prompt_tokens(text))
+            toks = await self._retry(lambda: self.pool_client.prompt_tokens(text))
             self._tokens_cache[text] = toks
         return toks
 
@@ -316,7 +337,7 @@ class SharedContext:
             if self.base.messages is not None:
                 msgs = [dict(m) for m in self.base.messages]
                 self._pool_prompt = await self._retry(
-                    lambda: self.client.apply_template(msgs, add_generation_prompt=False)
+                    lambda: self.pool_client.apply_template(msgs, add_generation_prompt=False)
                 )
             else:
                 assert self.base.text is not None
@@ -335,7 +356,7 @@ class SharedContext:
         """The full text the server evaluates for ``agent`` (templated for chat)."""
         if agent.resolved_mode(self.base) == "chat":
             msgs = agent.messages(self.base)
-            return await self._retry(lambda: self.client.apply_template(msgs))
+            return await self._retry(lambda: self.pool_client.apply_template(msgs))
         return agent.prompt(self.base)
 
     async def agent_tokens(self, agent: Agent) -> list[int]:
@@ -348,7 +369,7 @@ class SharedContext:
     async def features(self) -> PoolFeatures:
         """What the server offers for pools (its ``/props``, read once)."""
         if self._features is None:
-            self._features = await self._retry(self.client.pool_features)
+            self._features = await self._retry(self.pool_client.pool_features)
         return self._features
 
     async def uses_server_prefix(self) -> bool:
@@ -396,7 +417,7 @@ class SharedContext:
         assert self.pool_cache is not None
         t0 = time.perf_counter()
         try:
-            answer = await self.client.restore_pool(self.pool_slot, name, tokens=tokens)
+            answer = await self.pool_client.restore_pool(self.pool_slot, name, tokens=tokens)
         except HTTPError as exc:
             if not is_missing(exc):
                 log.warning("pool file %s refused (%s): priming and saving it again", name, exc.server_message)
@@ -414,7 +435,7 @@ class SharedContext:
             res = await self._restore(name, tokens, reason) if name else None
             if res is None:
                 t0 = time.perf_counter()
-                answer = await self.client.prime(tokens, self.pool_slot if self.pin_prime else None)
+                answer = await self.pool_client.prime(tokens, self.pool_slot if self.pin_prime else None)
                 wall = time.perf_counter() - t0
                 timings = answer.get("timings") or {}
                 n_computed = int(timings.get("prompt_n", len(tokens)))
@@ -443,7 +464,7 @@ class SharedContext:
         if name is None or self.pool_cache is None:
             return None
         try:
-            await self.client.save_pool(self.pool_slot, name)
+            await self.pool_client.save_pool(self.pool_slot, name)
         except HTTPError as exc:
             log.warning("could not save pool slot %d to %s: %s", self.pool_slot, name, exc.server_message)
             return None
@@ -476,7 +497,7 @@ class SharedContext:
             await self._prime_locked(f"re-prime after {status}")
 
     async def slot_count(self) -> int:
-        props = await self._retry(self.client.props)
+        props = await self._retry(self.pool_client.props)
         return int(props.get("total_slots") or 1)
 
     # -- agents -------------------------------------------------------------------
@@ -507,6 +528,14 @@ class SharedContext:
     def _sent_p(share: Share | None) -> int:
         return share.n_tokens or 0 if share is not None else 0
 
+    def _endpoint(self, mode: Mode) -> str:
+        """Where an agent of ``mode`` is sent."""
+        return ENDPOINTS[mode]
+
+    def _stream(self, path: str, body: Json, meta: dict[str, Any]) -> AsyncIterator[Json]:
+        """The answer stream of one agent request (``meta["headers"]``: the response headers)."""
+        return self.client.stream_events(path, body, meta=meta)
+
     def _body(self, agent: Agent, mode: Mode, share: Share | None) -> Json:
         if mode == "chat":
             return generation_body("messages", agent.messages(self.base), share, dict(agent.params))
@@ -523,16 +552,17 @@ class SharedContext:
             await self.ensure_primed()
             await self._ready.wait()
         generation = self._primed_generation
-        path = ENDPOINTS[mode]
+        path = self._endpoint(mode)
         origin = t_origin if t_origin is not None else time.perf_counter()
         t0 = time.perf_counter()
         ttft: float | None = None
         chunks: list[Json] = []
         body = self._body(agent, mode, share)
+        meta: dict[str, Any] = {}
         for attempt in (1, 2):
             try:
-                async for chunk in self.client.stream_events(path, body):
-                    if ttft is None and chunk_has_text(chunk, mode):
+                async for chunk in self._stream(path, body, meta):
+                    if ttft is None and chunk_has_text(chunk, path):
                         ttft = time.perf_counter() - t0
                     chunks.append(chunk)
                 break
@@ -542,7 +572,7 @@ class SharedContext:
                 log.debug("agent %s: resending after a stale connection", agent.name or index)
         t1 = time.perf_counter()
         final = aggregate(path, chunks)
-        text, finish = answer_text(final, mode)
+        text, finish = answer_text(final, path)
         timings = final.get("timings") or {}
         sp = final.get("shared_prefix")
         status = str(sp.get("status")) if isinstance(sp, dict) else NOT_SHARED
@@ -568,6 +598,8 @@ class SharedContext:
             id_slot=final.get("id_slot") if isinstance(final.get("id_slot"), int) else None,
             timings=dict(timings),
             shared_prefix=dict(sp) if isinstance(sp, dict) else None,
+            replica=routed_replica(meta.get("headers")),
+            probs=token_probs(final),
         )
         if self.share and self.reprime and needs_reprime(status, server_prefix=server_p):
             await self._reprime_after(generation, status)

@@ -67,6 +67,8 @@ class AgentResult:
     timings: Json = field(default_factory=dict)
     shared_prefix: Json | None = None
     error: str | None = None  # set (with status "error") when the request failed
+    replica: str | None = None  # the replica a gateway sent it to (its URL), None without a gateway
+    probs: list[Json] | None = None  # per-token probabilities, when the request asked for them (n_probs)
 
     @property
     def ok(self) -> bool:

@@ -151,6 +151,12 @@ def steps_from_completion(resp: Mapping[str, Any]) -> list[Step]:
     probs = resp.get("completion_probabilities")
     if not isinstance(probs, list):
         raise ValueError("response has no completion_probabilities: request it with n_probs >= 2")
+    return steps_from_probs(probs)
+
+
+def steps_from_probs(probs: Sequence[Mapping[str, Any]]) -> list[Step]:
+    """Steps from llama-server's per-token probabilities (``/completion``'s ``completion_probabilities``, or
+    an OpenAI route's ``choices[0].logprobs.content``; both carry ``id`` and ``top_logprobs``)."""
     steps = []
     for e in probs:
         top = {int(alt["id"]): float(alt["logprob"]) for alt in e.get("top_logprobs") or ()}

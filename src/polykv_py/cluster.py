@@ -49,7 +49,7 @@ class Cluster:
     """The replicas and the gateway (a context manager; :meth:`start` / :meth:`stop`).
 
     ``pool_cache``: the directory every replica saves pools to and restores them from (default: a
-    fresh temporary one; None in :class:`~polykv_py.pools.PoolCache` terms means no files).
+    fresh temporary directory). ``gateway_port``: the gateway's port (default: a free one).
     """
 
     def __init__(
@@ -58,6 +58,7 @@ class Cluster:
         *,
         pool_cache: PoolCache | None = None,
         log_dir: str | os.PathLike[str] | None = None,
+        gateway_port: int | None = None,
     ) -> None:
         from .presets import serve_server
 
@@ -84,6 +85,7 @@ class Cluster:
             for i in range(cfg.replicas)
         ]
         self._log_dir = log_dir
+        self._gateway_port = gateway_port
         self.gateway: Gateway | None = None
 
     @property
@@ -102,7 +104,9 @@ class Cluster:
         try:
             for r in self.replicas:
                 r.start()
-            self.gateway = Gateway(self.replica_urls, self.config.gateway, log_dir=self._log_dir).start()
+            self.gateway = Gateway(
+                self.replica_urls, self.config.gateway, port=self._gateway_port, log_dir=self._log_dir
+            ).start()
         except BaseException:
             self.stop()
             raise

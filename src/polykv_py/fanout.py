@@ -643,7 +643,8 @@ class SharedContext:
         if do_prime:
             await self.prime(self._initial_reason() if self._primed_generation < 0 else "requested")
         n_pool = len(await self.pool_tokens())
-        limit = self.concurrency or max(1, (await self.slot_count()) - (1 if self.share else 0))
+        reserved = max(1, len((await self.features()).pool_slots)) if self.share else 0  # slots agents never get
+        limit = self.concurrency or max(1, (await self.slot_count()) - reserved)
         sem = asyncio.Semaphore(limit)
         await asyncio.gather(*(self.agent_tokens(a) for a in agents))  # tokenize up front, concurrently
 

@@ -110,6 +110,12 @@ class GatewayOptions:
         return out
 
 
+def worker_list(doc: Any) -> list[dict[str, Any]]:
+    """The worker entries of a ``GET /workers`` answer (a list, or ``{"workers": [...]}``)."""
+    items = doc.get("workers", doc) if isinstance(doc, dict) else doc
+    return [w for w in items or [] if isinstance(w, dict)]
+
+
 class Gateway:
     """One smg process in front of ``worker_urls``, on a free loopback port.
 
@@ -275,9 +281,15 @@ class Gateway:
 
     def workers(self) -> list[dict[str, Any]]:
         """The gateway's replicas (``GET /workers``): ``id``, ``url``, ``is_healthy``, ``load`` ..."""
-        doc = self._api("GET", "/workers")
-        items = doc.get("workers", doc) if isinstance(doc, dict) else doc
-        return [w for w in items or [] if isinstance(w, dict)]
+        return worker_list(self._api("GET", "/workers"))
+
+    @staticmethod
+    def list_workers(url: str) -> list[dict[str, Any]]:
+        """``GET /workers`` of the smg gateway at ``url`` (one this process did not start)."""
+        resp = httpx.get(f"{url.rstrip('/')}/workers", timeout=10.0, trust_env=False)
+        if resp.status_code >= 400:
+            raise ServerError(f"{url}/workers: HTTP {resp.status_code}: {resp.text[:300]}")
+        return worker_list(resp.json())
 
     def worker_id(self, url: str) -> str:
         """The gateway's id of the replica at ``url``."""

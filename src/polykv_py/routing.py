@@ -49,7 +49,7 @@ from .fanout import (
     routed_replica,
     server_gone,
 )
-from .gateway import MAX_ROUTING_KEY_BYTES, ROUTING_KEY_HEADER
+from .gateway import MAX_ROUTING_KEY_BYTES, ROUTING_KEY_HEADER, worker_list
 from .llama.state import tokens_sha256
 from .pools import pool_states, salt_sha256
 from .results import AgentResult, FanoutResult, Mode, PrimeResult
@@ -217,8 +217,7 @@ class Router:
                 doc = await self.client.get_json("/workers")
             except PolykvError:
                 return  # not smg's worker API: rely on the probes alone
-            items = doc.get("workers", doc) if isinstance(doc, dict) else doc
-            if not any(isinstance(w, dict) and w.get("url") == replica and w.get("is_healthy") for w in items or []):
+            if not any(w.get("url") == replica and w.get("is_healthy") for w in worker_list(doc)):
                 return
             await asyncio.sleep(0.2)
 

@@ -20,7 +20,7 @@ from polykv_py.llama.state import tokens_sha256
 from polykv_py.pools import PoolCache, pool_states
 from polykv_py.presets import serve_server
 from polykv_py.results import AgentResult, FanoutResult
-from polykv_py.routing import ReplicaError, RoutedContext, Router, failed_replica
+from polykv_py.routing import RoutedContext, Router
 
 pytestmark = pytest.mark.integration
 
@@ -169,13 +169,3 @@ def test_a_killed_replica_moves_only_its_bases_and_comes_back(
     for k, res in enumerate(out["back"]):  # type: ignore[arg-type]
         assert {a.replica for a in res.agents} == {homes[k]}
         assert_same_answers(res.agents, single_server_answers[k])
-
-
-def test_failed_replica_is_named_from_the_gateway_error() -> None:
-    msg = (
-        "error sending request for url (http://127.0.0.1:49083/v1/completions). "
-        "URL: http://127.0.0.1:49083/v1/completions"
-    )
-    assert failed_replica(Exception(msg)) == "http://127.0.0.1:49083"
-    assert failed_replica(Exception("x"), {"x-smg-routed-worker-id": "http://h:1"}) == "http://h:1"
-    assert ReplicaError("m", replica="http://h:1").replica == "http://h:1"

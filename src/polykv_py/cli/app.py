@@ -135,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .pools import register as register_pools
 
     register_pools(sub)  # `polykv pools list|clear|status`
+
+    from .cluster import register as register_cluster
+
+    register_cluster(sub)  # `polykv cluster`, `polykv cluster-status`
     return parser
 
 

@@ -208,6 +208,10 @@ async def _fanout(
     server: Any = None,
     pool_cache: PoolCache | None = None,
 ) -> tuple[FanoutResult, FanoutResult | None]:
+    if args.gateway:
+        if args.compare:
+            raise FanoutError("--compare runs the agents again without sharing on one server: not with --gateway")
+        return await _fanout_routed(args.gateway, base, agents, args, progress, pool_cache), None
     async with SharedContext.connect(
         url,
         base,
@@ -249,12 +253,33 @@ async def _fanout(
         return result, baseline
 
 
+async def _fanout_routed(
+    gateway: str,
+    base: BaseContext,
+    agents: list[Agent],
+    args: argparse.Namespace,
+    progress: Progress,
+    pool_cache: PoolCache | None,
+) -> FanoutResult:
+    """The fan-out through a gateway: the pool's routing key pins it and its agents to one replica."""
+    from ..routing import Router
+
+    async with Router(gateway, model=args.served_model, api_key=args.api_key, timeout=args.timeout) as router:
+        ctx = router.context(base, concurrency=args.concurrency, pool_cache=pool_cache)
+        try:
+            result = await ctx.run(agents, progress=progress)
+        finally:
+            await ctx.aclose()
+        progress._say(f"pool {ctx.key} on {ctx.home} (slot {ctx.pool_slot})", keep=True)
+        return result
+
+
 def pool_cache_of(args: argparse.Namespace) -> PoolCache | None:
     """The pool cache ``--pool-cache`` / ``--no-pool-cache`` ask for (see the option's help)."""
     if args.no_pool_cache:
         return None
-    if args.pool_cache == "server":
-        return PoolCache(None)
+    if args.pool_cache == "server" or (args.gateway and not args.pool_cache):
+        return PoolCache(None)  # the files live where the server (each replica) saves them
     if args.pool_cache:
         return PoolCache(args.pool_cache)
     return None if args.url else PoolCache.default()
@@ -304,8 +329,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     info: dict[str, Any] = {}
     t_start = time.perf_counter()
     try:
-        if args.url:
-            url, kv = args.url, None
+        if args.url or args.gateway:
+            url, kv = args.url or args.gateway, None
         else:
             from ..harness.kvcells import KVCellsLog
             from ..presets import pool_server
@@ -410,7 +435,14 @@ def register(subparsers: Any) -> None:
         help="seconds a request may wait for the server's next bytes (default 1800)",
     )
     p.add_argument("--url", help="use a running patched llama-server (-kvu --no-clear-idle) instead of starting one")
-    p.add_argument("--api-key", default=os.environ.get("POLYKV_API_KEY"), help="API key for --url")
+    p.add_argument(
+        "--gateway",
+        metavar="URL",
+        help="send the agents through a gateway in front of patched replicas (polykv cluster; smg): the pool's "
+        "routing key keeps the pool and its agents on one replica (pool files: the replicas' --slot-save-path)",
+    )
+    p.add_argument("--served-model", default="polykv", help="with --gateway: the replicas' model id (default polykv)")
+    p.add_argument("--api-key", default=os.environ.get("POLYKV_API_KEY"), help="API key for --url / --gateway")
     p.add_argument("--pool-slot", type=int, default=0, help="slot that holds the base (default 0)")
     p.add_argument(
         "--pool-cache",

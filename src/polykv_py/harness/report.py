@@ -54,11 +54,14 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def agents_table(result: FanoutResult, *, markdown: bool = False) -> str:
     """One row per agent: share status, P, tokens computed, generated, time to first token, latency."""
+    routed = any(a.replica for a in result.agents)  # through a gateway: which replica answered
     rows = [
-        [a.name, a.status, a.requested, a.n_prompt, a.processed, a.n_generated, a.ttft_s, a.latency_s]
+        [a.name, *([a.replica] if routed else []), a.status, a.requested, a.n_prompt, a.processed, a.n_generated,
+         a.ttft_s, a.latency_s]
         for a in result.agents
-    ]
-    headers = ["agent", "share", "P", "prompt tok", "computed", "generated", "TTFT s", "latency s"]
+    ]  # fmt: skip
+    headers = ["agent", *(["replica"] if routed else []), "share", "P", "prompt tok", "computed", "generated",
+               "TTFT s", "latency s"]  # fmt: skip
     return table(headers, rows, markdown=markdown)
 
 

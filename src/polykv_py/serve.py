@@ -212,6 +212,7 @@ class ServeOptions:
     no_pool_cache: bool = False
     pool_auto: bool | None = None  # None: when the binary knows --pool-auto
     agent_slots: int = SERVE_AGENT_SLOTS
+    reserve_pools: int = 0  # reserve at least this many pool slots (for pools clients prime, e.g. through a gateway)
     log_dir: str | None = None
     start_timeout: float = SERVE_START_TIMEOUT
 
@@ -255,7 +256,8 @@ def build_server(opts: ServeOptions) -> tuple[LlamaServer, list[PoolSpec], PoolC
             pool_auto = supports_flag(binary, POOL_AUTO)
             if not pool_auto:
                 log.info("%s has no %s: plain requests will not share the pools", binary.name, POOL_AUTO)
-        args += serve_pool_args(len(pools), opts.agent_slots, pool_auto=pool_auto and POOL_AUTO not in extra)
+        n_pools = max(len(pools), opts.reserve_pools)
+        args += serve_pool_args(n_pools, opts.agent_slots, pool_auto=pool_auto and POOL_AUTO not in extra)
     server = LlamaServer(
         binary,
         opts.model,

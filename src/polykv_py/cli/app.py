@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--agent-slots", type=int, default=SERVE_AGENT_SLOTS,
                    help=f"slots besides the pools (-np = pools + this; default {SERVE_AGENT_SLOTS})")  # fmt: skip
+    p.add_argument("--reserve-pools", type=int, default=0, metavar="K",
+                   help="reserve at least K pool slots (0..K-1), e.g. for pools that clients prime through a gateway "
+                   "(docs/cluster.md); --pool files fill the first ones")  # fmt: skip
     p.add_argument("--log-dir", help="directory for the llama-server log (default: a temporary directory)")
     p.add_argument("server_args", nargs=argparse.REMAINDER, help="more llama-server flags, after --")
     p.set_defaults(func=_cmd_serve)

@@ -193,6 +193,7 @@ def run_grid(
     model: str | None = None,
     out_dir: Path = Path("bench/results/turns"),
     say: Callable[[str], None] = log.info,
+    timeout: float = 7200.0,
 ) -> dict[str, Any]:
     """Every (P, N, system) cell for ``turns`` turns; writes turns.json and turns.md after each cell."""
     from .bench_report import cpu_model
@@ -219,13 +220,15 @@ def run_grid(
     for p in ps:
         base = base_for(p, TurnsConfig(1, 1, p, gen, threads, model))
         for n in ns:
-            cfg = TurnsConfig(n, turns, p, gen, threads, model)
+            cfg = TurnsConfig(n, turns, p, gen, threads, model, timeout)
             for name in systems:
                 say(f"turns: {name} N={n} P={p} T={turns} ...")
                 t0 = time.perf_counter()
                 try:
                     cell = run_cell(name, cfg, base)
-                except (PolykvError, TimeoutError) as exc:
+                except TimeoutError:
+                    cell = {"system": name, "n": n, "turns": turns, "p": p, "error": f"timeout: over {timeout:.0f} s"}
+                except PolykvError as exc:
                     cell = {"system": name, "n": n, "turns": turns, "p": p, "error": str(exc)[:800]}
                 doc["cells"].append(cell)
                 say(f"turns: {name} N={n} P={p}: {cell.get('wall_s', 'error')} s in {time.perf_counter() - t0:.0f} s")
@@ -274,7 +277,7 @@ def markdown(doc: dict[str, Any]) -> str:
         rows: list[list[Any]] = []
         for name, cell in cells.items():
             if "error" in cell:
-                rows.append([name, *["error"] * (2 * len(checkpoints) + 3)])
+                rows.append([name, cell["error"][:60], *[None] * (2 * len(checkpoints) + 2)])
                 continue
             last = cell["per_turn"][-1]
             rows.append(
@@ -333,10 +336,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", "-m")
     ap.add_argument("--out", type=Path, default=Path("bench/results/turns"))
+    ap.add_argument(
+        "--cell-timeout", type=float, default=7200.0, help="seconds one system may take for a cell (default 7200)"
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     run_grid(
-        args.n, args.turns, args.p, args.systems, gen=args.gen, threads=args.threads, model=args.model, out_dir=args.out
+        args.n,
+        args.turns,
+        args.p,
+        args.systems,
+        gen=args.gen,
+        threads=args.threads,
+        model=args.model,
+        out_dir=args.out,
+        timeout=args.cell_timeout,
     )
     return 0
 

@@ -35,7 +35,7 @@ from typing import Any, Self
 from .client import CHAT, COMPLETION, DEFAULT_TIMEOUT, AsyncClient, PoolFeatures, Share, aggregate, generation_body
 from .errors import HTTPError, PolykvError, ServerUnavailableError
 from .gateway import ROUTED_WORKER_HEADER
-from .pools import PoolCache, is_missing, pool_file_name
+from .pools import PoolCache, pool_file_name, report_failed_restore
 from .results import (
     ERROR,
     NOT_SHARED,
@@ -419,8 +419,7 @@ class SharedContext:
         try:
             answer = await self.pool_client.restore_pool(self.pool_slot, name, tokens=tokens)
         except HTTPError as exc:
-            if not is_missing(exc):
-                log.warning("pool file %s refused (%s): priming and saving it again", name, exc.server_message)
+            report_failed_restore(exc, name)
             return None
         wall = time.perf_counter() - t0
         self.pool_cache.touch(name)

@@ -114,6 +114,13 @@ def is_missing(exc: HTTPError) -> bool:
     return exc.status == 400 and "no such file" in exc.server_message
 
 
+def report_failed_restore(exc: HTTPError, name: str) -> None:
+    """After a restore failed: a miss (no such file) is silent; a refused file is logged as replaced
+    (the caller primes the pool and saves it again under the same name)."""
+    if not is_missing(exc):
+        log.warning("pool file %s refused (%s): priming and saving it again", name, exc.server_message)
+
+
 @dataclass(frozen=True)
 class PoolCacheEntry:
     """One file of a :class:`PoolCache`."""

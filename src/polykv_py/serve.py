@@ -30,7 +30,7 @@ from typing import Any, Literal, TextIO
 from .client import Client
 from .errors import HTTPError, PolykvError, ServerError
 from .native import ServerKind, server_binary
-from .pools import PoolCache, is_missing, pool_file_name
+from .pools import PoolCache, pool_file_name, report_failed_restore
 from .presets import POOL_AUTO, SERVE_AGENT_SLOTS, SERVE_DEFAULTS, serve_pool_args
 from .server import LlamaServer
 
@@ -144,8 +144,7 @@ def _restore(client: Client, slot: int, name: str, tokens: list[int], salt: str 
     try:
         client.restore_pool(slot, name, tokens=tokens, cache_salt=salt)
     except HTTPError as exc:
-        if not is_missing(exc):
-            log.warning("pool file %s refused (%s): priming and saving it again", name, exc.server_message)
+        report_failed_restore(exc, name)
         return False
     return True
 

@@ -42,7 +42,7 @@ from ..server import LlamaServer
 from .bench_report import cpu_model
 from .kvcells import KV_METHOD, KVCellsLog
 from .systems import SYSTEMS as SERVER_SYSTEMS
-from .systems import start_system_server
+from .systems import System, start_system_server
 from .texts import Detokenize, Tokenize, cut_to_tokens, repeat_to_tokens
 
 log = logging.getLogger(__name__)
@@ -177,7 +177,11 @@ def start_server(system: str, n_slots: int, ctx: int, cfg: BenchConfig) -> Llama
 
 def cell_budget(system: str, n: int, p: int, s: int, g: int) -> tuple[int, int, int]:
     """(KV cells, slots, agents in flight) of one cell: N private copies, or the sharing budget."""
-    spec = SERVER_SYSTEMS[system]
+    return system_budget(SERVER_SYSTEMS[system], n, p, s, g)
+
+
+def system_budget(spec: System, n: int, p: int, s: int, g: int) -> tuple[int, int, int]:
+    """:func:`cell_budget` of a system recipe."""
     if spec.budget == "copies":
         return ctx_for(n, p, s, g), n + 1, n
     cells, slots = matched_budget(n, p, s, g)

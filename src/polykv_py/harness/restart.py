@@ -39,7 +39,7 @@ from typing import Any
 from ..client import AsyncClient, Request
 from ..fanout import Agent, BaseContext, SharedContext
 from ..pools import PoolCache
-from .benchmark import PeakRSS, ctx_for, machine_info, make_inputs, matched_budget, round_summary
+from .benchmark import PeakRSS, machine_info, make_inputs, round_summary, system_budget
 from .kvcells import KV_METHOD, KVCellsLog
 from .report import table
 from .systems import SYSTEMS as SERVER_SYSTEMS
@@ -81,10 +81,10 @@ class RestartConfig:
 def budget(system: str, n: int, p: int, cfg: RestartConfig) -> tuple[int, int, int]:
     """(KV cells, slots, agents in flight) as in the one-turn grid; the stock restore needs N copies and N slots."""
     spec, how = RESTART_SYSTEMS[system]
-    if spec.budget == "copies":
-        return ctx_for(n, p, cfg.suffix, cfg.gen), n + (how != "slot_restore"), n
-    cells, slots = matched_budget(n, p, cfg.suffix, cfg.gen)
-    return (cells, n + 1, n) if spec.pool else (cells, slots, slots)
+    cells, slots, in_flight = system_budget(spec, n, p, cfg.suffix, cfg.gen)
+    if how == "slot_restore":  # every agent pinned to the slot its copy was restored into: no spare slot
+        slots = n
+    return cells, slots, in_flight
 
 
 def save_base(p: int, cfg: RestartConfig, save_dir: Path) -> tuple[str, list[str], Json]:

@@ -29,7 +29,6 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -41,7 +40,7 @@ import httpx
 
 from .client import parse_metrics
 from .errors import ServerError
-from .server import _finalize, _set_pdeathsig, _terminate_group, default_log_dir, free_port, read_log_tail
+from .server import _finalize, _terminate_group, default_log_dir, free_port, read_log_tail, spawn_logged
 
 log = logging.getLogger(__name__)
 
@@ -202,20 +201,7 @@ class Gateway:
         self._log_path = log_dir / f"{self.name}-{port}.log"
         cmd = self.command(port, metrics_port)
         log.info("starting %s: %s (log %s)", self.name, " ".join(cmd), self._log_path)
-        log_file = open(self._log_path, "wb")  # noqa: SIM115 - the process writes it until it is reaped
-        main_thread = threading.current_thread() is threading.main_thread()
-        try:
-            self._proc = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=_set_pdeathsig if main_thread else None,  # noqa: PLW1509 - see LlamaServer._spawn
-            )
-        except OSError as exc:
-            log_file.close()
-            raise ServerError(f"cannot execute {cmd[0]}: {exc}") from exc
+        self._proc, log_file = spawn_logged(cmd, self._log_path)
         self._log_file = log_file
         self._finalizer = weakref.finalize(self, _finalize, self._proc, log_file)
         try:

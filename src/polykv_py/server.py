@@ -151,6 +151,33 @@ def _terminate_group(proc: subprocess.Popen[bytes], timeout: float) -> int | Non
     return proc.returncode
 
 
+def spawn_logged(
+    cmd: Sequence[str], log_path: Path, *, env: dict[str, str] | None = None, die_with_parent: bool | None = None
+) -> tuple[subprocess.Popen[bytes], IO[bytes]]:
+    """Start ``cmd`` in its own process group, stdout and stderr to ``log_path``: (process, open log file).
+
+    ``die_with_parent`` (default: when called from the main thread; PDEATHSIG follows the creating
+    *thread*) makes the child SIGKILLed when this process dies. The caller closes the log file once
+    the process is reaped (register :func:`_finalize`).
+    """
+    die = threading.current_thread() is threading.main_thread() if die_with_parent is None else die_with_parent
+    log_file = open(log_path, "wb")  # noqa: SIM115 - the process writes it until it is reaped
+    try:
+        proc = subprocess.Popen(
+            list(cmd),
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_set_pdeathsig if die and _PRCTL is not None else None,  # noqa: PLW1509 - see above
+        )
+    except OSError as exc:
+        log_file.close()
+        raise ServerError(f"cannot execute {cmd[0]}: {exc}") from exc
+    return proc, log_file
+
+
 def _finalize(proc: subprocess.Popen[bytes], log_file: IO[bytes]) -> None:
     """Finalizer registered for every started server (also runs at interpreter exit)."""
     _terminate_group(proc, timeout=5.0)
@@ -325,24 +352,8 @@ class LlamaServer:
         cmd = self.command(port)
         env = {k: v for k, v in os.environ.items() if self._inherit_llama_env or not k.startswith("LLAMA_ARG_")}
         env.update(self._extra_env)
-        die = self._die_with_parent
-        if die is None:  # PDEATHSIG follows the creating *thread*: only safe from the main thread
-            die = threading.current_thread() is threading.main_thread()
-        log_file = open(self._log_path, "wb")  # noqa: SIM115 - the process writes it until it is reaped
         log.info("starting %s: %s (log %s)", self.name, " ".join(_redact(cmd)), self._log_path)
-        try:
-            self._proc = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-                preexec_fn=_set_pdeathsig if die and _PRCTL is not None else None,  # noqa: PLW1509 - see above
-            )
-        except OSError as exc:
-            log_file.close()
-            raise ServerError(f"cannot execute {self.binary}: {exc}") from exc
+        self._proc, log_file = spawn_logged(cmd, self._log_path, env=env, die_with_parent=self._die_with_parent)
         self._log_file = log_file
         self._finalizer = weakref.finalize(self, _finalize, self._proc, log_file)
 

@@ -269,6 +269,8 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         "Systems: " + "; ".join(f"`{k}`: {v}" for k, v in doc["systems"].items()),
         "",
+        *[f"- {note}" for note in doc.get("notes", [])],
+        *([""] if doc.get("notes") else []),
     ]
     keys = sorted({(c["p"], c["n"]) for c in doc["cells"]})
     for p, n in keys:

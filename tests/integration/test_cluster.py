@@ -31,7 +31,7 @@ BASES = [
 ]
 QUESTIONS = [f"\nQuestion: how many crates does warehouse {w} hold? Answer:" for w in (3, 11, 26, 38)]
 GEN = {"n_predict": 12, "temperature": 0.0, "n_probs": 5}
-CONFIG = ClusterConfig(replicas=3, pools_per_replica=3, agent_slots=4, ctx=8192, threads=1)
+CONFIG = ClusterConfig(replicas=3, pools_per_replica=3, agent_slots=8, ctx=12288, threads=1)
 
 
 def agents(n_predict: int = 12) -> list[Agent]:
@@ -57,7 +57,7 @@ def contexts_for(router: Router, cluster: Cluster) -> list[RoutedContext]:
 def single_server_answers(tmp_path_factory: pytest.TempPathFactory) -> list[list[AgentResult]]:
     """The same fan-outs on one replica-shaped server, without the gateway."""
     tmp = tmp_path_factory.mktemp("single")
-    srv = serve_server(3, agent_slots=4, ctx=8192, threads=1, slot_actions=True, log_dir=tmp)
+    srv = serve_server(3, agent_slots=8, ctx=12288, threads=1, slot_actions=True, log_dir=tmp)
 
     async def go() -> list[list[AgentResult]]:
         out = []

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from polykv_py.client import Client, Request, Share
-from polykv_py.errors import HTTPError
+from polykv_py.errors import HTTPError, StateError
 from polykv_py.llama.state import MAGIC, read_prefix_header, tokens_sha256
 from polykv_py.presets import NO_HOST_CACHE, UNIFIED_KV, pool_slot_args, slots_args
 from polykv_py.server import LlamaServer
@@ -300,18 +300,18 @@ def test_killed_save_never_leaves_a_file_a_restore_accepts(
         f = save / name
         outcomes.append("whole" if f.exists() else "absent")
         if f.exists():  # the rename happened: the file must be complete
-            raw = f.read_bytes()
-            header = read_prefix_header(f)
-            (n,) = struct.unpack("<I", raw[len(MAGIC) : len(MAGIC) + 4])
-            state = raw[len(MAGIC) + 4 + n :]
-            assert len(state) == header["state_bytes"]
-            assert zlib.crc32(state) == header["state_crc32"]
-    # whatever a killed save left besides (a partial ".part.<pid>" file) is refused by a restore
+            assert is_whole(f)
+    # whatever a killed save left besides (a ".part.<pid>" file) is refused by a restore unless the kill
+    # came after it was completely written (then it is a valid file, only never renamed)
     s = start(patched_server_bin, model_path, tmp_path, server_args(save), "pool-files-after-kill")
     try:
         with Client(s.url) as c:
             for part in sorted(save.glob("*.part.*")):
-                refused(c, part.name, "")  # bad magic, damaged header or damaged state
+                if is_whole(part):
+                    c.restore_pool(POOL, part.name)
+                    assert pool(c).resident
+                else:
+                    refused(c, part.name, "")  # bad magic, damaged header or damaged state
             for whole in sorted(save.glob("killed-*.pkvpool")):
                 c.restore_pool(POOL, whole.name)
                 assert pool(c).resident
@@ -320,6 +320,18 @@ def test_killed_save_never_leaves_a_file_a_restore_accepts(
     logging.getLogger(__name__).info(
         "killed saves: %s, partial files left: %d", outcomes, len(list(save.glob("*.part.*")))
     )
+
+
+def is_whole(f: Path) -> bool:
+    """True when a pool file holds its whole state: the size and CRC-32 its header names."""
+    raw = f.read_bytes()
+    try:
+        header = read_prefix_header(f)
+    except (StateError, ValueError):  # a partial or damaged header
+        return False
+    (n,) = struct.unpack("<I", raw[len(MAGIC) : len(MAGIC) + 4])
+    state = raw[len(MAGIC) + 4 + n :]
+    return len(state) == header["state_bytes"] and zlib.crc32(state) == header["state_crc32"]
 
 
 def _try(call: Any, errors: list[BaseException]) -> None:

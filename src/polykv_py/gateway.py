@@ -40,7 +40,15 @@ import httpx
 
 from .client import parse_metrics
 from .errors import ServerError
-from .server import _finalize, _terminate_group, default_log_dir, free_port, read_log_tail, spawn_logged
+from .server import (
+    LoggedChild,
+    _finalize,
+    _terminate_group,
+    default_log_dir,
+    free_port,
+    read_log_tail,
+    spawn_logged,
+)
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +123,7 @@ def worker_list(doc: Any) -> list[dict[str, Any]]:
     return [w for w in items or [] if isinstance(w, dict)]
 
 
-class Gateway:
+class Gateway(LoggedChild):
     """One smg process in front of ``worker_urls``, on a free loopback port.
 
     ``extra_args`` go to ``smg launch`` last. Use as a context manager or call :meth:`start` and
@@ -239,12 +247,7 @@ class Gateway:
         if self._proc is None:
             return None
         status = _terminate_group(self._proc, timeout)
-        if self._finalizer is not None:
-            self._finalizer.detach()
-            self._finalizer = None
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
+        self._release()
         log.info("%s (pid %d) stopped with status %s", self.name, self._proc.pid, status)
         return status
 

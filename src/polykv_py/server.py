@@ -184,7 +184,23 @@ def _finalize(proc: subprocess.Popen[bytes], log_file: IO[bytes]) -> None:
     log_file.close()
 
 
-class LlamaServer:
+class LoggedChild:
+    """What a started child process leaves to clean up: its finalizer and its open log file."""
+
+    _finalizer: weakref.finalize[Any, Any] | None = None
+    _log_file: IO[bytes] | None = None
+
+    def _release(self) -> None:
+        """Forget the finalizer and close the log file once the process is gone."""
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+
+class LlamaServer(LoggedChild):
     """One llama-server process bound to a free loopback port.
 
     ``binary`` defaults to :func:`~polykv_py.native.server_binary` of ``kind``;
@@ -425,15 +441,6 @@ class LlamaServer:
         self._release()
         log.info("%s (pid %d) stopped with status %s", self.name, self._proc.pid, status)
         return status
-
-    def _release(self) -> None:
-        """Forget the finalizer and close the log file once the process is gone."""
-        if self._finalizer is not None:
-            self._finalizer.detach()
-            self._finalizer = None
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
 
     def __enter__(self) -> LlamaServer:
         return self.start() if not self.is_alive() else self

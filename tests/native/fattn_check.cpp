@@ -1,0 +1,292 @@
+// polykv-fattn-check: the shared-prefix decode attention path (patch 0076) against ggml's own
+// path and a double-precision reference, on random Q/K/V and masks.
+//
+// For every case it builds one GGML_OP_FLASH_ATTN_EXT node shaped like llama.cpp's decode graph
+// (Q a permuted view, K/V views of an interleaved KV cache, an f16 mask), computes it with the
+// path off (upstream's kernel) and on (through the CPU backend's proc address), and, on x86-64,
+// with the same computation compiled for AVX2 and without SIMD. One JSON object per case on
+// stdout; the pytest module (test_fattn_kernel.py) asserts the bounds.
+//
+// usage: polykv-fattn-check [--quick]
+
+#include "ggml.h"
+#include "ggml-backend.h"
+#include "ggml-cpu.h"
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#if defined(POLYKV_FA_VARIANTS)
+namespace polykv_fa_avx2   { bool run_single(ggml_tensor * dst); }
+namespace polykv_fa_scalar { bool run_single(ggml_tensor * dst); }
+#endif
+
+namespace {
+
+using set_fn   = void (*)(bool);
+using stats_fn = void (*)(uint64_t out[4]);
+
+struct cpu_switch {
+    set_fn   set   = nullptr;
+    stats_fn stats = nullptr;
+    cpu_switch() {
+        ggml_backend_reg_t reg = ggml_backend_reg_by_name("CPU");
+        if (reg) {
+            set   = (set_fn)   ggml_backend_reg_get_proc_address(reg, "ggml_backend_cpu_polykv_set_shared_decode");
+            stats = (stats_fn) ggml_backend_reg_get_proc_address(reg, "ggml_backend_cpu_polykv_shared_decode_stats");
+        }
+    }
+};
+
+struct test_case {
+    std::string layout;  // prefix | random | holes
+    int DK, DV, n_head, n_head_kv, N, n_kv, threads;
+    ggml_type kv_type;
+    uint32_t seed;
+};
+
+// visibility of cell c to token i
+std::vector<uint8_t> make_mask(const test_case & tc, std::mt19937 & rng) {
+    std::vector<uint8_t> vis((size_t) tc.N * tc.n_kv, 0);
+    auto at = [&](int i, int c) -> uint8_t & { return vis[(size_t) i*tc.n_kv + c]; };
+    if (tc.layout == "random") {
+        std::bernoulli_distribution b(0.5);
+        for (int i = 0; i < tc.N; ++i) {
+            for (int c = 0; c < tc.n_kv; ++c) {
+                at(i, c) = b(rng);
+            }
+            at(i, i % tc.n_kv) = 1;
+        }
+        return vis;
+    }
+    // a shared prefix, then private cells interleaved one per token per step (decode order)
+    const int priv = tc.n_kv / 4;
+    const int P    = tc.n_kv - priv;
+    for (int i = 0; i < tc.N; ++i) {
+        for (int c = 0; c < P; ++c) {
+            at(i, c) = 1;
+        }
+    }
+    for (int c = P; c < tc.n_kv; ++c) {
+        at((c - P) % tc.N, c) = 1;
+    }
+    if (tc.layout == "holes") {
+        // two whole tiles nobody sees (another slot's cells), a stretch only token 0 sees,
+        // and a token that sees only part of the prefix
+        for (int c = 64; c < std::min(tc.n_kv, 64 + 130); ++c) {
+            for (int i = 0; i < tc.N; ++i) {
+                at(i, c) = 0;
+            }
+        }
+        for (int c = P/2; c < std::min(P, P/2 + 100); ++c) {
+            for (int i = 1; i < tc.N; ++i) {
+                at(i, c) = 0;
+            }
+        }
+        for (int c = P/3; c < P; ++c) {
+            at(tc.N - 1, c) = 0;
+        }
+    }
+    return vis;
+}
+
+struct result {
+    double err_off = 0, err_on = 0, on_vs_off = 0, err_avx2 = -1, err_scalar = -1;
+    uint64_t ops = 0, shared = 0, priv = 0, skipped = 0;
+    bool ran = false;
+};
+
+double max_abs(const std::vector<float> & a, const std::vector<double> & b) {
+    double m = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+        const double d = std::fabs((double) a[i] - b[i]);
+        m = std::isnan(d) ? INFINITY : std::max(m, d);
+    }
+    return m;
+}
+
+result run_case(const test_case & tc, const cpu_switch & sw) {
+    std::mt19937 rng(tc.seed);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+
+    const int64_t mask_rows = tc.N + 3; // rows past N (padding) are never read
+    ggml_init_params ip = { (size_t) 512*1024*1024, nullptr, false };
+    ggml_context * ctx = ggml_init(ip);
+
+    // q as llama.cpp has it: [DK, n_head, N] permuted to [DK, N, n_head]
+    ggml_tensor * q_raw = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, tc.DK, tc.n_head, tc.N);
+    // the KV cache: rows of all KV heads per cell, viewed per head
+    ggml_tensor * k_raw = ggml_new_tensor_3d(ctx, tc.kv_type, tc.DK, tc.n_head_kv, tc.n_kv);
+    ggml_tensor * v_raw = ggml_new_tensor_3d(ctx, tc.kv_type, tc.DV, tc.n_head_kv, tc.n_kv);
+    ggml_tensor * mask  = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, tc.n_kv, mask_rows);
+
+    std::vector<float> qv(ggml_nelements(q_raw)), kv(ggml_nelements(k_raw)), vv(ggml_nelements(v_raw));
+    for (float & x : qv) { x = 2.0f*nd(rng); }
+    for (float & x : kv) { x = nd(rng); }
+    for (float & x : vv) { x = nd(rng); }
+    memcpy(q_raw->data, qv.data(), qv.size()*sizeof(float));
+    const auto * tr_k = ggml_get_type_traits(tc.kv_type);
+    GGML_ASSERT(tc.DK % ggml_blck_size(tc.kv_type) == 0);
+    for (int64_t r = 0; r < ggml_nrows(k_raw); ++r) {
+        ggml_quantize_chunk(tc.kv_type, kv.data() + r*tc.DK, (char *) k_raw->data + r*k_raw->nb[1], 0, 1, tc.DK, nullptr);
+    }
+    for (int64_t r = 0; r < ggml_nrows(v_raw); ++r) {
+        ggml_quantize_chunk(tc.kv_type, vv.data() + r*tc.DV, (char *) v_raw->data + r*v_raw->nb[1], 0, 1, tc.DV, nullptr);
+    }
+    // the values the kernels see (after rounding to the cache type)
+    std::vector<float> kd(kv.size()), vd(vv.size());
+    for (int64_t r = 0; r < ggml_nrows(k_raw); ++r) {
+        tr_k->to_float((const char *) k_raw->data + r*k_raw->nb[1], kd.data() + r*tc.DK, tc.DK);
+    }
+    for (int64_t r = 0; r < ggml_nrows(v_raw); ++r) {
+        tr_k->to_float((const char *) v_raw->data + r*v_raw->nb[1], vd.data() + r*tc.DV, tc.DV);
+    }
+
+    const std::vector<uint8_t> vis = make_mask(tc, rng);
+    ggml_fp16_t * m = (ggml_fp16_t *) mask->data;
+    for (int64_t i = 0; i < mask_rows; ++i) {
+        for (int c = 0; c < tc.n_kv; ++c) {
+            const bool seen = i < tc.N && vis[(size_t) i*tc.n_kv + c];
+            m[i*tc.n_kv + c] = ggml_fp32_to_fp16(seen ? 0.0f : -INFINITY);
+        }
+    }
+
+    ggml_tensor * q = ggml_permute(ctx, q_raw, 0, 2, 1, 3);
+    ggml_tensor * k = ggml_permute(ctx, k_raw, 0, 2, 1, 3);
+    ggml_tensor * v = ggml_permute(ctx, v_raw, 0, 2, 1, 3);
+    const float scale = 1.0f/std::sqrt((float) tc.DK);
+    ggml_tensor * fa = ggml_flash_attn_ext(ctx, q, k, v, mask, scale, 0.0f, 0.0f);
+
+    ggml_cgraph * gf = ggml_new_graph(ctx);
+    ggml_build_forward_expand(gf, fa);
+
+    // reference in double: dst[i, h, :] = softmax(scale q k^T over visible cells) v
+    std::vector<double> ref((size_t) tc.DV * tc.n_head * tc.N, 0.0);
+    const int rk2 = tc.n_head / tc.n_head_kv;
+    std::vector<double> s(tc.n_kv);
+    for (int i = 0; i < tc.N; ++i) {
+        for (int h = 0; h < tc.n_head; ++h) {
+            const int g = h / rk2;
+            double mx = -INFINITY;
+            for (int c = 0; c < tc.n_kv; ++c) {
+                if (!vis[(size_t) i*tc.n_kv + c]) { s[c] = -INFINITY; continue; }
+                double d = 0;
+                for (int e = 0; e < tc.DK; ++e) {
+                    d += (double) qv[((size_t) i*tc.n_head + h)*tc.DK + e] * kd[((size_t) c*tc.n_head_kv + g)*tc.DK + e];
+                }
+                s[c] = d*scale;
+                mx = std::max(mx, s[c]);
+            }
+            double sum = 0;
+            double * out = ref.data() + ((size_t) i*tc.n_head + h)*tc.DV;
+            for (int c = 0; c < tc.n_kv; ++c) {
+                if (s[c] == -INFINITY) { continue; }
+                const double p = std::exp(s[c] - mx);
+                sum += p;
+                for (int e = 0; e < tc.DV; ++e) {
+                    out[e] += p * vd[((size_t) c*tc.n_head_kv + g)*tc.DV + e];
+                }
+            }
+            for (int e = 0; e < tc.DV; ++e) {
+                out[e] = sum > 0 ? out[e]/sum : 0.0;
+            }
+        }
+    }
+
+    auto output = [&]() {
+        std::vector<float> o(ggml_nelements(fa));
+        memcpy(o.data(), fa->data, o.size()*sizeof(float));
+        return o;
+    };
+
+    result res;
+    sw.set(false);
+    ggml_graph_compute_with_ctx(ctx, gf, tc.threads);
+    const std::vector<float> off = output();
+
+    uint64_t before[4], after[4];
+    sw.stats(before);
+    sw.set(true);
+    ggml_graph_compute_with_ctx(ctx, gf, tc.threads);
+    sw.set(false);
+    sw.stats(after);
+    const std::vector<float> on = output();
+
+    res.err_off = max_abs(off, ref);
+    res.err_on  = max_abs(on, ref);
+    std::vector<double> offd(off.begin(), off.end());
+    res.on_vs_off = max_abs(on, offd);
+    res.ops     = after[0] - before[0];
+    res.shared  = after[1] - before[1];
+    res.priv    = after[2] - before[2];
+    res.skipped = after[3] - before[3];
+    res.ran = true;
+
+#if defined(POLYKV_FA_VARIANTS)
+    memset(fa->data, 0, ggml_nbytes(fa));
+    // the AVX2 build runs only where the CPU has AVX2, FMA and F16C (-1 in the report otherwise)
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+        polykv_fa_avx2::run_single(fa)) {
+        res.err_avx2 = max_abs(output(), ref);
+    }
+    memset(fa->data, 0, ggml_nbytes(fa));
+    if (polykv_fa_scalar::run_single(fa)) {
+        res.err_scalar = max_abs(output(), ref);
+    }
+#endif
+    ggml_free(ctx);
+    return res;
+}
+
+} // namespace
+
+int main(int argc, char ** argv) {
+    const bool quick = argc > 1 && std::string(argv[1]) == "--quick";
+    ggml_cpu_init();
+    cpu_switch sw;
+    if (!sw.set || !sw.stats) {
+        fprintf(stderr, "polykv-fattn-check: the CPU backend has no ggml_backend_cpu_polykv_* entry points (patch 0076 missing)\n");
+        return 2;
+    }
+
+    std::vector<test_case> cases;
+    uint32_t seed = 1234;
+    // GQA ratios 1, 3, 8; head sizes 64, 128; f16 and q8_0; 1-3 threads; masks of every kind
+    const int gqa[][2] = { {4, 4}, {9, 3}, {16, 2} };
+    for (const char * layout : { "prefix", "holes", "random" }) {
+        for (const auto & hk : gqa) {
+            for (int D : { 64, 128 }) {
+                for (ggml_type t : { GGML_TYPE_F16, GGML_TYPE_Q8_0 }) {
+                    const int N       = (seed % 3 == 0) ? 16 : (seed % 3 == 1 ? 4 : 33);
+                    const int n_kv    = quick ? 700 : ((seed % 2) ? 1500 : 777);
+                    const int threads = 1 + (int) (seed % 3);
+                    cases.push_back({ layout, D, D, hk[0], hk[1], N, n_kv, threads, t, seed++ });
+                }
+            }
+        }
+    }
+    // the shape: the default model's heads over a 4k prefix, 16 agents, 2 threads
+    cases.push_back({ "prefix", 64, 64, 9, 3, 16, 4096 + 512, 2, GGML_TYPE_F16, seed++ });
+    cases.push_back({ "prefix", 64, 64, 9, 3, 2, 300, 2, GGML_TYPE_F16, seed++ });
+
+    int bad = 0;
+    for (const test_case & tc : cases) {
+        const result r = run_case(tc, sw);
+        printf("{\"layout\": \"%s\", \"DK\": %d, \"n_head\": %d, \"n_head_kv\": %d, \"N\": %d, \"n_kv\": %d, "
+               "\"threads\": %d, \"kv_type\": \"%s\", \"err_off\": %.3g, \"err_on\": %.3g, \"on_vs_off\": %.3g, "
+               "\"err_avx2\": %.3g, \"err_scalar\": %.3g, \"ops\": %llu, \"tiles_shared\": %llu, "
+               "\"tiles_private\": %llu, \"tiles_skipped\": %llu}\n",
+               tc.layout.c_str(), tc.DK, tc.n_head, tc.n_head_kv, tc.N, tc.n_kv, tc.threads,
+               ggml_type_name(tc.kv_type), r.err_off, r.err_on, r.on_vs_off, r.err_avx2, r.err_scalar,
+               (unsigned long long) r.ops, (unsigned long long) r.shared, (unsigned long long) r.priv,
+               (unsigned long long) r.skipped);
+        fflush(stdout);
+        bad += r.ops != 1;
+    }
+    return bad ? 1 : 0;
+}

@@ -46,6 +46,12 @@ def test_gate_passes(
     assert [c["vs_alone"] in ("identical", "near_tie") for c in together["cases"]] == [True, False, True], together
     assert together["vs_alone"]["not_compared_sampled"] == 1 and together["vs_alone"]["different"] == 0
     assert all(c["shared_prefix"]["status"] == "not_resident" for c in report["checks"]["fallback_miss"]["cases"])
+    # the reporting run with --shared-decode: the path ran, and no answer is different from the run without it
+    sd = report["checks"]["shared_decode"]
+    record_property("shared_decode", [c["verdict"] for c in sd["cases"]])
+    assert sd["info"]["server_counters"]["ops"] > 0 and sd["info"]["server_counters"]["enabled"] is True
+    assert [c["verdict"] for c in sd["cases"]].count("not_compared_sampled") == 1
+    assert all(c["verdict"] != "different" for c in sd["cases"]), sd["cases"]
 
 
 def test_share_check_on_reference_server_fails_clearly(

@@ -1,4 +1,4 @@
-"""The gate: four checks on the default model, a JSON report, an exit status.
+"""The gate: five checks (the fifth reports on --shared-decode) on the default model, a JSON report, an exit status.
 
 1. ``default_output``: the same requests (completion, /v1/completions and chat;
    stream and non-stream; greedy and seeded; with probabilities; several slots at
@@ -20,6 +20,10 @@
    request with no pool field and no ``id_slot``: it must hit the pool by itself (``"auto":
    "pool"``, P computed by the server) and answer byte-identically to the reference server's
    own-cache answer after the same priming.
+5. ``shared_decode`` (reporting): the sharers of ``share_hit`` at once on two patched servers that differ
+   only in ``--shared-decode`` (patch 0076; every other check runs with it off): each greedy answer with
+   it on against the same answer with it off, :data:`~polykv_py.harness.compare.LAYOUT` margins; fails
+   only on ``different`` (or if the path never ran).
 
 Library code logs through ``logging``; :func:`main` routes that to the terminal.
 """
@@ -55,7 +59,7 @@ log = logging.getLogger(__name__)
 
 Json = dict[str, Any]
 
-CHECKS = ("default_output", "share_hit", "fallback_miss", "auto_share")
+CHECKS = ("default_output", "share_hit", "fallback_miss", "auto_share", "shared_decode")
 
 POOL_SLOT = 0
 N_SLOTS = 4
@@ -707,11 +711,63 @@ def check_auto_share(servers: _Servers) -> CheckResult:
     return res
 
 
+def _together(
+    servers: _Servers, args: list[str], name: str, cfg: GateConfig
+) -> tuple[list[Sharer], dict[str, Answer], Json]:
+    """The sharers sent at once over one primed pool; the answers and the server's ``/props``."""
+    with servers.start("patched", args, name) as srv:
+        base = build_base(srv.client.prompt_tokens, cfg.base_tokens)
+        sharers, _ = make_sharers(srv.client, base, cfg)
+        srv.client.prime(base, POOL_SLOT)
+        answers = run_cases(srv, [s.with_pool(group=1) for s in sharers])
+        return sharers, answers, srv.client.props()
+
+
+def check_shared_decode(servers: _Servers) -> CheckResult:
+    """``--shared-decode`` (patch 0076), a reporting run: the share_hit sharers at once, with it on and off.
+
+    The other checks run with the option off. Here two patched servers that differ only in
+    ``--shared-decode`` answer the sharers together (one decode batch of the sharers' rows over the
+    pool's cells); each greedy answer with it on is compared with the same answer with it off
+    (:data:`~polykv_py.harness.compare.LAYOUT` margins: the path rounds differently, like another cell
+    layout). The check fails only on ``different``, or if the path did not run at all.
+    """
+    cfg = servers.cfg
+    res = CheckResult("shared_decode")
+    args = [*_base_args(cfg), no_clear_idle_flag(servers.binary("patched"))]
+    res.info = {"flags": args, "on_flag": "--shared-decode"}
+    sharers, off, _ = _together(servers, args, "shared-decode-off", cfg)
+    _, on, props = _together(servers, [*args, "--shared-decode"], "shared-decode-on", cfg)
+    stats = props.get("polykv_shared_decode") or {}
+    res.info["server_counters"] = stats
+    for s in sharers:
+        a, b = final_of(off[s.with_pool().name], "/completion"), final_of(on[s.with_pool().name], "/completion")
+        status_ok = (b.get("shared_prefix") or {}).get("status") == "hit"
+        if s.body.get("temperature"):
+            res.cases.append({"name": s.case.name, "ok": status_ok, "verdict": NOT_COMPARED})
+            continue
+        cmp = compare_greedy(a, b, margins=LAYOUT)
+        res.cases.append({"name": s.case.name, "ok": status_ok and cmp.ok, "verdict": cmp.verdict,
+                          "max_drift": round(cmp.max_drift, 4), "detail": cmp.detail})  # fmt: skip
+        log.info("  %s on vs off: %s (%s)", s.case.name, cmp.verdict, cmp.detail)
+    verdicts = [c["verdict"] for c in res.cases]
+    ran = int(stats.get("ops", 0)) > 0
+    res.ok = ran and all(c["ok"] for c in res.cases)
+    counts = ", ".join(f"{verdicts.count(v)} {v}" for v in (*COMPARE_VERDICTS, NOT_COMPARED) if verdicts.count(v))
+    res.summary = (
+        f"sharers with --shared-decode vs without: {counts}; the path computed {stats.get('ops', 0)} attention ops"
+        if ran
+        else "the shared-decode path did not run (/props polykv_shared_decode: " + json.dumps(stats) + ")"
+    )
+    return res
+
+
 _CHECK_FUNCS: dict[str, Callable[[_Servers], CheckResult]] = {
     "default_output": check_default_output,
     "share_hit": check_share_hit,
     "fallback_miss": check_fallback_miss,
     "auto_share": check_auto_share,
+    "shared_decode": check_shared_decode,
 }
 
 

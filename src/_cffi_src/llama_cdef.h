@@ -109,6 +109,11 @@ struct llama_sampler_chain_params  llama_sampler_chain_default_params(void);
 void llama_backend_init(void);
 void llama_backend_free(void);
 
+/* ggml's backend registry: the CPU backend's polykv entry points (patch 0076) are found by name */
+typedef struct ggml_backend_reg * ggml_backend_reg_t;
+ggml_backend_reg_t ggml_backend_reg_by_name(const char * name);
+void * ggml_backend_reg_get_proc_address(ggml_backend_reg_t reg, const char * name);
+
 struct llama_model * llama_model_load_from_file(const char * path_model, struct llama_model_params params);
 void llama_model_free(struct llama_model * model);
 

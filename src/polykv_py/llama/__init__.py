@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from .model import Model
     from .params import ContextParams, SamplingParams
     from .sampler import Sampler
+    from .shared_decode import SharedDecodeStats, set_shared_decode, shared_decode_enabled, shared_decode_stats
     from .vocab import Vocab
 
 __all__ = [
@@ -32,16 +33,31 @@ __all__ = [
     "Model",
     "Sampler",
     "SamplingParams",
+    "SharedDecodeStats",
     "Vocab",
     "ensure_backend",
     "max_parallel_sequences",
+    "set_shared_decode",
+    "shared_decode_enabled",
+    "shared_decode_stats",
     "supports_gpu_offload",
     "system_info",
 ]
 
 #: the submodules that define the exported names, searched in this order: the pure ones
 #: first, so that their names never load the native extension.
-_SUBMODULES = ("params", "_kvstate", "backend", "batch", "context", "memory", "model", "sampler", "vocab")
+_SUBMODULES = (
+    "params",
+    "_kvstate",
+    "backend",
+    "batch",
+    "context",
+    "memory",
+    "model",
+    "sampler",
+    "shared_decode",
+    "vocab",
+)
 
 
 def __getattr__(name: str) -> Any:

@@ -1,0 +1,50 @@
+"""The CPU backend's shared-prefix decode attention (patch 0076), for in-process contexts.
+
+libggml is one per process: the switch applies to every context of this process (the
+patched llama-server sets the same switch from ``--shared-decode``). Off by default; off,
+ggml computes what upstream computes. It applies to flash-attention batches of 2-63 tokens
+with f16 or q8_0 KV (unified KV lets agents' rows share the prefix cells).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .._ffi import ffi, lib
+from ..errors import LlamaError
+
+
+def _entry(name: str, cdecl: str) -> Any:
+    reg = lib.ggml_backend_reg_by_name(b"CPU")
+    fn = lib.ggml_backend_reg_get_proc_address(reg, name.encode()) if reg != ffi.NULL else ffi.NULL
+    if fn == ffi.NULL:
+        raise LlamaError(f"the CPU backend has no {name} (a build without patch 0076)")
+    return ffi.cast(cdecl, fn)
+
+
+@dataclass(frozen=True)
+class SharedDecodeStats:
+    """Counters since the process started: ops computed by the path and its tiles by kind."""
+
+    ops: int
+    tiles_shared: int
+    tiles_private: int
+    tiles_skipped: int
+
+
+def set_shared_decode(on: bool) -> None:
+    """Turn the path on or off for this process."""
+    _entry("ggml_backend_cpu_polykv_set_shared_decode", "void (*)(bool)")(bool(on))
+
+
+def shared_decode_enabled() -> bool:
+    """Whether the path is on."""
+    return bool(_entry("ggml_backend_cpu_polykv_get_shared_decode", "bool (*)(void)")())
+
+
+def shared_decode_stats() -> SharedDecodeStats:
+    """The CPU backend's counters of the path."""
+    out = ffi.new("uint64_t[4]")
+    _entry("ggml_backend_cpu_polykv_shared_decode_stats", "void (*)(uint64_t *)")(out)
+    return SharedDecodeStats(*(int(x) for x in out))

@@ -77,6 +77,18 @@ SYSTEMS: dict[str, System] = {
         System("dropin", _PATCHED, (*_POOL, "--pool-auto"), False, True, "shared", "polykv drop-in", pool=True),
     )
 }
+#: ``patched`` with the shared-prefix decode attention on (patch 0076, ``--shared-decode``); compared with
+#: ``patched`` by the decode benchmark (:mod:`polykv_py.harness.decode`), not part of the stock grids.
+SHARED_DECODE = System(
+    "shared_decode",
+    _PATCHED,
+    (*_POOL, "--shared-decode"),
+    True,
+    True,
+    "shared",
+    "polykv, pool shared, --shared-decode",
+    pool=True,
+)
 #: The stock systems, whose fastest per cell is "best stock".
 STOCK = tuple(name for name, s in SYSTEMS.items() if s.stock)
 

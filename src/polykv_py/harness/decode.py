@@ -1,0 +1,387 @@
+"""Decode over a shared prefix: the per-token step with the shared-prefix attention off and on.
+
+N agents share one pool of P tokens on the patched server (unified KV, reserved pool, every
+agent ``hit``) and generate G greedy tokens each, all at once, so every decode step is one
+batch of N rows over the same prefix cells. Each cell runs twice on fresh servers that differ
+only in ``--shared-decode`` (patch 0076): ``patched`` (upstream's attention kernel) and
+``shared_decode``. The step is the server's ``timings.predicted_per_token_ms`` (median over the
+agents); the fan-out wall runs from sending the agents to the last answer (the pool is primed
+before, the same way for both). Answers are compared token for token (greedy text).
+
+The in-process engine links the same libggml: its cell runs N agents over the same prefix in
+one process, with the switch off and then on (:mod:`polykv_py.llama.shared_decode`); its step
+is the generation time over G.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+from ..client import AsyncClient
+from ..fanout import Agent, BaseContext, SharedContext
+from .benchmark import round_up
+from .multiturn import QUESTION_TOKENS, TurnsConfig, base_for, question_block
+from .systems import SHARED_DECODE, SYSTEMS, System, start_system_server
+
+log = logging.getLogger(__name__)
+
+#: The two systems of every cell, in the order they run.
+DECODE_SYSTEMS: dict[str, System] = {"patched": SYSTEMS["patched"], "shared_decode": SHARED_DECODE}
+
+
+@dataclass(frozen=True)
+class DecodeCell:
+    """N agents over a P-token pool, G greedy tokens each."""
+
+    p: int
+    n: int
+    gen: int
+    kind: str = "step"  # "step": the step table; "fanout": the long-answer fan-out
+
+
+def cells_for(cell: DecodeCell) -> int:
+    """KV cells: the pool once plus every agent's question and answer, with a margin."""
+    return round_up(cell.p + cell.n * (QUESTION_TOKENS + cell.gen + 16) + 64, 256)
+
+
+async def _fanout(url: str, server: Any, base: str, cell: DecodeCell, timeout: float) -> dict[str, Any]:
+    params = {"n_predict": cell.gen, "ignore_eos": True, "temperature": 0.0}
+    agents = [Agent(question_block(i, 0)[0], name=f"a{i}", mode="completion", params=params) for i in range(cell.n)]
+    async with AsyncClient(url, server=server, timeout=timeout) as client:
+        sc = SharedContext(client, BaseContext.from_text(base), share=True, concurrency=cell.n)
+        await sc.prime()
+        res = await sc.run(agents, prime=False)
+        props = await client.props()
+    steps = [a.timings.get("predicted_per_token_ms") for a in res.agents]
+    return {
+        "step_ms": round(median(s for s in steps if s is not None), 2),
+        "wall_s": round(res.wall_s, 3),
+        "statuses": res.statuses,
+        "n_errors": sum(1 for a in res.agents if a.error),
+        "texts": [a.text for a in res.agents],
+        "shared_decode": props.get("polykv_shared_decode"),
+    }
+
+
+def run_cell(system: System, cell: DecodeCell, base: str, *, threads: int, model: str | None) -> dict[str, Any]:
+    """One cell on a fresh server of ``system``."""
+    server = start_system_server(
+        system, cell.n + 1, cells_for(cell), model=model, threads=threads, name=f"decode-{system.name}"
+    )
+    try:
+        out = asyncio.run(_fanout(server.url, server, base, cell, timeout=3600.0))
+    finally:
+        server.stop()
+    return {"system": system.name, "p": cell.p, "n": cell.n, "gen": cell.gen, "kind": cell.kind, **out}
+
+
+def engine_cell(cell: DecodeCell, base: str, *, threads: int, model: str | None) -> list[dict[str, Any]]:
+    """The same cell in-process: one engine, the switch off then on (the prefix decoded once)."""
+    import dataclasses
+
+    from ..engine import GenerationParams, SharedPrefixEngine
+    from ..llama import Model, set_shared_decode, shared_decode_stats
+
+    suffixes = [question_block(i, 0)[0] for i in range(cell.n)]
+    out = []
+    with Model(model) as mdl:
+        p_tok = len(mdl.vocab.tokenize(base))
+        params = SharedPrefixEngine.context_params(cell.n, p_tok, QUESTION_TOKENS + 2, cell.gen)
+        params = dataclasses.replace(params, n_threads=threads, n_threads_batch=threads, flash_attn="on")
+        gp = GenerationParams(max_tokens=cell.gen, ignore_eos=True)
+        with SharedPrefixEngine(mdl, params) as eng:
+            for name, on in (("engine", False), ("engine_shared_decode", True)):
+                set_shared_decode(on)
+                try:
+                    ops0 = shared_decode_stats().ops
+                    res = eng.run(base, suffixes, gp, share=True)
+                    ops = shared_decode_stats().ops - ops0
+                finally:
+                    set_shared_decode(False)
+                out.append(
+                    {
+                        "system": name, "p": cell.p, "n": cell.n, "gen": cell.gen, "kind": "engine",
+                        "step_ms": round(1000 * res.timings["generate_s"] / cell.gen, 2),
+                        "wall_s": round(res.timings["wall_s"], 3),
+                        "texts": [a.text for a in res.agents],
+                        "shared_decode": {"enabled": on, "ops": ops},
+                    }
+                )  # fmt: skip
+    return out
+
+
+def run_grid(
+    ps: Sequence[int],
+    ns: Sequence[int],
+    *,
+    gen: int = 48,
+    fanout: tuple[int, int, int] | None = (4096, 16, 256),
+    engine: tuple[int, int] | None = (4096, 16),
+    repeat: int = 3,
+    threads: int = 2,
+    model: str | None = None,
+    out_dir: Path = Path("bench/results/decode"),
+    say: Callable[[str], None] = log.info,
+) -> dict[str, Any]:
+    """Every (P, N) step cell and the long-answer fan-out, each system on a fresh server, off then on."""
+    from .bench_report import cpu_model
+
+    cells = [DecodeCell(p, n, gen) for p in ps for n in ns]
+    if fanout:
+        cells.append(DecodeCell(fanout[0], fanout[1], fanout[2], "fanout"))
+    doc: dict[str, Any] = {
+        "config": {
+            "ps": list(ps),
+            "ns": list(ns),
+            "gen": gen,
+            "fanout": fanout,
+            "engine": engine,
+            "repeat": repeat,
+            "threads": threads,
+        },
+        "machine": {
+            "cpu": cpu_model(),
+            "logical_cpus": os.cpu_count(),
+            "load_avg_start": [round(x, 2) for x in os.getloadavg()],
+        },
+        "systems": {name: s.label for name, s in DECODE_SYSTEMS.items()},
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "cells": [],
+    }
+    bases: dict[int, str] = {}
+    for cell in cells:
+        if cell.p not in bases:
+            bases[cell.p] = base_for(cell.p, TurnsConfig(1, 1, cell.p, gen, threads, model))
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in DECODE_SYSTEMS}
+        for _ in range(repeat if cell.kind == "step" else 1):  # off and on alternate, a fresh server each
+            for system in DECODE_SYSTEMS.values():
+                say(f"decode: {system.name} {cell.kind} P={cell.p} N={cell.n} G={cell.gen} ...")
+                res = run_cell(system, cell, bases[cell.p], threads=threads, model=model)
+                say(f"decode: {system.name}: step {res['step_ms']} ms, wall {res['wall_s']} s")
+                runs[system.name].append(res)
+        for rs in runs.values():
+            first = dict(rs[0])
+            first["step_ms_runs"] = [r["step_ms"] for r in rs]
+            first["wall_s_runs"] = [r["wall_s"] for r in rs]
+            first["step_ms"] = round(median(first["step_ms_runs"]), 2)
+            first["wall_s"] = round(median(first["wall_s_runs"]), 3)
+            doc["cells"].append(first)
+        write(doc, out_dir)
+    if engine:
+        cell = DecodeCell(engine[0], engine[1], gen, "engine")
+        if cell.p not in bases:
+            bases[cell.p] = base_for(cell.p, TurnsConfig(1, 1, cell.p, gen, threads, model))
+        say(f"decode: in-process engine P={cell.p} N={cell.n} G={gen}, off then on ...")
+        doc["cells"] += engine_cell(cell, bases[cell.p], threads=threads, model=model)
+    doc["machine"]["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
+    doc["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    write(doc, out_dir)
+    return doc
+
+
+def pairs(doc: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(off, on) cells of the same (kind, P, N, G), in run order."""
+    off_names, on_names = ("patched", "engine"), ("shared_decode", "engine_shared_decode")
+    off = {(c["kind"], c["p"], c["n"], c["gen"]): c for c in doc["cells"] if c["system"] in off_names}
+    out = []
+    for c in doc["cells"]:
+        key = (c["kind"], c["p"], c["n"], c["gen"])
+        if c["system"] in on_names and key in off:
+            out.append((off[key], c))
+    return out
+
+
+def same_answers(off: dict[str, Any], on: dict[str, Any]) -> int:
+    """Agents whose greedy answer is the same text with the path off and on."""
+    return sum(1 for a, b in zip(off["texts"], on["texts"], strict=True) if a == b)
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    """The step table (off, on, on/off) and the fan-out line."""
+    from .report import table
+
+    m = doc["machine"]
+    lines = [
+        "# Decode over a shared prefix: --shared-decode off and on",
+        "",
+        f"Machine: {m['cpu']}, {m['logical_cpus']} logical CPUs, {doc['config']['threads']} threads per server, "
+        f"load average at start {m['load_avg_start']}"
+        + (f", at end {m['load_avg_end']}" if "load_avg_end" in m else "")
+        + ".",
+        "Every agent shares the pool (status hit); all N decode together. Step: the server's "
+        "predicted_per_token_ms, median over the agents; each step cell ran "
+        f"{doc['config'].get('repeat', 1)} times per system on fresh servers, off and on alternating "
+        "(median of the runs). Same answers: greedy texts equal with the path off and on (first run); "
+        "a flip is a near tie, as with another cell layout (tests/integration/test_shared_decode.py).",
+        "",
+    ]
+    rows: list[list[Any]] = []
+    for off, on in pairs(doc):
+        if off["kind"] != "step":
+            continue
+        rows.append(
+            [
+                f"{off['p']:,}",
+                off["n"],
+                off["step_ms"],
+                on["step_ms"],
+                f"{on['step_ms'] / off['step_ms']:.0%}",
+                f"{off['step_ms'] / on['step_ms']:.2f}x",
+                f"{same_answers(off, on)}/{off['n']}",
+            ]
+        )
+    lines += [
+        f"## Decode step, {doc['config']['gen']} greedy tokens per agent",
+        "",
+        table(["P", "N", "off ms/step", "on ms/step", "on/off", "speedup", "same answers"], rows, markdown=True),
+        "",
+    ]
+    for off, on in pairs(doc):
+        if off["kind"] == "engine":
+            lines += [
+                f"## In-process engine: N={off['n']}, P={off['p']:,}, G={off['gen']} "
+                "(one process, the switch off then on)",
+                "",
+                table(
+                    ["off ms/step", "on ms/step", "on/off", "speedup", "same answers"],
+                    [
+                        [
+                            off["step_ms"],
+                            on["step_ms"],
+                            f"{on['step_ms'] / off['step_ms']:.0%}",
+                            f"{off['step_ms'] / on['step_ms']:.2f}x",
+                            f"{same_answers(off, on)}/{off['n']}",
+                        ]
+                    ],
+                    markdown=True,
+                ),
+                "",
+            ]
+        if off["kind"] == "fanout":
+            lines += [
+                f"## Long answers: N={off['n']}, P={off['p']:,}, G={off['gen']}",
+                "",
+                table(
+                    ["system", "fan-out wall s", "ms/step", "same answers"],
+                    [
+                        ["patched (off)", off["wall_s"], off["step_ms"], None],
+                        ["shared_decode (on)", on["wall_s"], on["step_ms"], f"{same_answers(off, on)}/{off['n']}"],
+                        [
+                            "speedup",
+                            f"{off['wall_s'] / on['wall_s']:.2f}x",
+                            f"{off['step_ms'] / on['step_ms']:.2f}x",
+                            None,
+                        ],
+                    ],
+                    markdown=True,
+                ),
+                "",
+            ]
+    return "\n".join(lines) + "\n"
+
+
+def plot(doc: dict[str, Any], path: Path) -> Path | None:
+    """Two panels against N: the speed-up of the step (on over off), and the step per system (log scale),
+    one line style per P. None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.lines import Line2D
+    except ImportError:
+        return None
+    steps = [(off, on) for off, on in pairs(doc) if off["kind"] == "step"]
+    ps = sorted({off["p"] for off, _ in steps})
+    styles = ["-", "--", ":"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
+    for pi, p in enumerate(ps):
+        cell = sorted((off["n"], off, on) for off, on in steps if off["p"] == p)
+        ns = [n for n, _, _ in cell]
+        axes[0].plot(
+            ns, [off["step_ms"] / on["step_ms"] for _, off, on in cell], styles[pi % 3], marker="o", color="C3"
+        )
+        axes[1].plot(ns, [off["step_ms"] for _, off, _ in cell], styles[pi % 3], marker="o", color="C0")
+        axes[1].plot(ns, [on["step_ms"] for _, _, on in cell], styles[pi % 3], marker="o", color="C2")
+    axes[0].axhline(1.0, color="grey", lw=0.8)
+    axes[0].set_title("decode step speed-up, --shared-decode on over off")
+    axes[1].set_yscale("log")
+    axes[1].set_title("decode step (ms)")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("agents N (all decoding together)")
+        ax.grid(True, alpha=0.3)
+    p_lines = [Line2D([], [], color="black", ls=styles[i % 3], label=f"P = {p:,}") for i, p in enumerate(ps)]
+    axes[0].legend(handles=p_lines, fontsize=8)
+    systems = [
+        Line2D([], [], color="C0", marker="o", label="patched, off"),
+        Line2D([], [], color="C2", marker="o", label="patched, --shared-decode"),
+    ]
+    axes[1].legend(handles=systems, fontsize=8)
+    m = doc["machine"]
+    fig.suptitle(f"polykv decode over a shared prefix, {m['cpu']} ({doc['config']['threads']} threads)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write(doc: dict[str, Any], out_dir: Path) -> None:
+    """decode.json, decode.md and (with matplotlib) decode.png in ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "decode.json").write_text(json.dumps(doc, indent=2))
+    (out_dir / "decode.md").write_text(markdown(doc))
+    if "finished" in doc:
+        plot(doc, out_dir / "decode.png")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m polykv_py.harness.decode``: the decode step table and the long-answer fan-out."""
+    ap = argparse.ArgumentParser(
+        prog="polykv-decode", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--p", type=int, nargs="+", default=[256, 4096], help="pool tokens (default 256 4096)")
+    ap.add_argument("--n", type=int, nargs="+", default=[1, 4, 16], help="agents (default 1 4 16)")
+    ap.add_argument("--gen", type=int, default=48, help="greedy tokens per agent in the step table (default 48)")
+    ap.add_argument(
+        "--fanout",
+        type=int,
+        nargs=3,
+        metavar=("P", "N", "G"),
+        default=[4096, 16, 256],
+        help="the long-answer fan-out (default 4096 16 256)",
+    )
+    ap.add_argument("--no-fanout", action="store_true")
+    ap.add_argument("--no-engine", action="store_true", help="skip the in-process engine cell (N=16, P=4096)")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per system of each step cell, median (default 3)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", "-m")
+    ap.add_argument("--out", type=Path, default=Path("bench/results/decode"))
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    run_grid(
+        args.p,
+        args.n,
+        gen=args.gen,
+        fanout=None if args.no_fanout else tuple(args.fanout),
+        engine=None if args.no_engine else (4096, 16),
+        repeat=args.repeat,
+        threads=args.threads,
+        model=args.model,
+        out_dir=args.out,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

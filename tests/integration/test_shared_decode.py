@@ -4,9 +4,9 @@ Two patched servers that differ only in ``--shared-decode`` run the same rounds 
 over one pool (every agent ``hit``, or ``own_cache`` once its slot holds the pool's cells; all 16
 decoding together, so every decode step is a batch of 16 rows over the pool's cells). The path
 changes float rounding (f32 scores and accumulators instead of f16 Q and an f16 accumulator), the
-way cell layout already does, so the
-answers are compared with :data:`~polykv_py.harness.compare.LAYOUT` margins over ``n_probs`` 5:
-never ``different``; the counts of identical and near-tie answers are logged. The counters of
+way cell layout already does, so the answers are compared with
+:data:`~polykv_py.harness.compare.LAYOUT` margins over ``n_probs`` 20: ``different`` no more often
+than between two runs of the same server (at most 1%); the counts are logged. The counters of
 ``/props`` show that the path ran on one server and not on the other.
 """
 
@@ -34,7 +34,10 @@ log = logging.getLogger(__name__)
 
 N_AGENTS = 16
 ROUNDS = 12  # 192 agents per server
-GEN = {"n_predict": 16, "temperature": 0.0, "n_probs": 5, "ignore_eos": True}
+#: n_probs 20, not 5: this small model's distribution is often flat, and at a flip the comparator must see
+#: the other run's pick among the candidates (a fresh-clone CI run once had a pick 6th or lower in the
+#: other run: "gap inf" with 5; over 384 agents with 20 the largest gap at a flip was 0.32)
+GEN = {"n_predict": 16, "temperature": 0.0, "n_probs": 20, "ignore_eos": True}
 
 
 def rounds_on(extra: list[str], log_dir: Path) -> tuple[list[list[AgentResult]], dict[str, Any]]:
@@ -83,9 +86,14 @@ def test_answers_match_the_server_without_it(runs: Runs) -> None:
     log.warning("shared decode on vs off over %d agents: %s; max drift %.4f", len(cmps), dict(verdicts),
                 max(c.max_drift for c in cmps))  # fmt: skip
     assert len(cmps) == N_AGENTS * ROUNDS
+    # Run-to-run noise sets the bar: the server batches concurrent agents as they arrive, so two runs of
+    # the *same* recipe lay cells out and batch rows differently. Measured here over 192 agents each:
+    # off vs off 108 identical / 84 near tie / 0 different (max drift 0.32); on vs on 141 / 50 / 1 (one
+    # token drifted 0.54, over LAYOUT's 0.5); on vs off 124 / 68 / 0 and 109 / 83 / 0 (max 0.34). So at
+    # most 1% may cross the margin, as between two runs of one recipe; more would be the path's doing.
     bad = [c.detail for c in cmps if not c.ok]
-    assert not bad, bad[:5]
-    assert verdicts["identical"] >= len(cmps) // 2, verdicts  # flips are near ties, and rare
+    assert len(bad) <= len(cmps) // 100, bad[:5]
+    assert verdicts["identical"] >= len(cmps) * 2 // 5, verdicts  # most flips are near ties, and a minority
 
 
 def test_the_path_ran_only_where_it_was_turned_on(runs: Runs) -> None:

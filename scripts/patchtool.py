@@ -42,6 +42,8 @@ from polykv_py.pins import PinnedPackage, fetch
 ROOT = Path(__file__).resolve().parent.parent
 PIN_FILE = ROOT / "vendor" / "llama.cpp.pin"
 PATCH_DIR = ROOT / "patches"
+#: polykv's own C++ (added to upstream's targets by native/polykv.cmake); part of the build stamp
+NATIVE_DIR = ROOT / "native"
 SOURCE_RECORD = ".polykv-source.json"
 APPLIED_RECORD = ".polykv-patches.json"
 APPLIED_DIR = ".polykv-applied"
@@ -128,12 +130,28 @@ def file_sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def series_hash(patches: list[Path] | None = None) -> str:
-    """sha256 over the names and contents of the series, in apply order."""
+def native_files(native_dir: Path | None = None) -> list[Path]:
+    """polykv's own sources under native/, sorted by path."""
+    root = native_dir or NATIVE_DIR
+    return sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+
+
+def series_hash(patches: list[Path] | None = None, native_dir: Path | None = None) -> str:
+    """The build stamp: sha256 over the names and contents of the series, in apply order, then of
+    every file under native/ (the code the series calls), by relative path."""
     h = hashlib.sha256()
     for p in patches if patches is not None else patch_files():
         h.update(p.name.encode() + b"\0" + file_sha256(p).encode() + b"\n")
+    root = native_dir or NATIVE_DIR
+    for f in native_files(root):
+        h.update(b"native/" + f.relative_to(root).as_posix().encode() + b"\0" + file_sha256(f).encode() + b"\n")
     return h.hexdigest()
+
+
+def created_files(patch: Path) -> list[str]:
+    """Files a patch creates (``--- /dev/null``): none are allowed, polykv's code lives in native/."""
+    lines = patch.read_text().splitlines()
+    return [b[6:] for a, b in zip(lines, lines[1:], strict=False) if a == "--- /dev/null" and b.startswith("+++ b/")]
 
 
 def _git_apply(tree: Path, patch: Path, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -209,6 +227,12 @@ def apply_series(tree: Path) -> list[str]:
     record_path = tree / APPLIED_RECORD
     done: dict[str, str] = json.loads(record_path.read_text()) if record_path.is_file() else {}
     wanted = {p.name: file_sha256(p) for p in patches}
+    for patch in patches:
+        if created := created_files(patch):
+            raise PatchToolError(
+                f"{patch.name} creates {', '.join(created)}: a patch adds only call sites and build lines; "
+                "put new code under native/ (native/polykv.cmake adds it to upstream's targets)"
+            )
     done = _unapply_stale(tree, done, wanted)
     record_path.write_text(json.dumps(done, indent=2) + "\n")
     (tree / APPLIED_DIR).mkdir(exist_ok=True)

@@ -33,7 +33,7 @@ CTX = 4096
 N_PREDICT = 6
 
 #: polykv's counters in ``/metrics`` and when they appear, as the code does it today
-#: (polykv_write_metrics() in tools/server/server-polykv.cpp, patch 0074; docs/shared-prefix.md "Metrics"):
+#: (polykv_write_metrics() in native/server/server-polykv.cpp, patch 0074; docs/shared-prefix.md "Metrics"):
 #: without ``--pool-slots`` none of them until a request sets ``shared_pool_slot`` (upstream's names exactly);
 #: with ``--pool-slots`` these five from the start, each 0 while nobody shares ...
 POLYKV_COUNTERS = {

@@ -2,7 +2,7 @@
 
 Each test starts a real patched server in that configuration, primes the pool slot, sends a
 request that sets ``shared_pool_slot``, and checks the refusal (status ``unsupported`` and the
-reason string of ``polykv_share_decide()`` in ``tools/server/server-polykv.cpp``, patch 0072) and
+reason string of ``polykv_share_decide()`` in ``native/server/server-polykv.cpp``, patch 0072) and
 that the answer is the upstream path's: byte-identical to the same request without the fields,
 sent to the same slot after it was emptied (only
 :data:`~polykv_py.harness.answers.VOLATILE_FIELDS`, and on the sharer's side

@@ -1,6 +1,6 @@
 """The shared-prefix decode attention kernel (patch 0076) at the ggml level.
 
-``polykv-fattn-check`` (built from tests/native/fattn_check.cpp with the wheel) computes
+``polykv-fattn-check`` (built from native/check/fattn_check.cpp with the wheel) computes
 flash-attention nodes shaped like llama.cpp's decode graph on random Q/K/V and masks (a shared
 prefix with interleaved private cells, whole tiles nobody sees, random masks), with GQA ratios
 1/3/8, head sizes 64/128, f16 and q8_0 KV and 1-3 threads, once with the path off (upstream's

@@ -29,17 +29,41 @@ def test_series_is_numbered_and_has_headers() -> None:
         assert patchtool.read_pin()["upstream_commit"] in head, f"{p.name} does not name the upstream commit"
 
 
-def test_polykv_code_is_a_file_of_its_own_that_the_reference_server_does_not_build() -> None:
-    """0072 adds tools/server/server-polykv.{cpp,h} and lists them in the server's CMakeLists.txt; the
-    reference server compiles the pristine sources named in cmake/upstream_server.cmake only."""
-    text = (patchtool.PATCH_DIR / "0072-polykv.patch").read_text()
-    for name in ("server-polykv.cpp", "server-polykv.h"):
-        assert f"+++ b/tools/server/{name}\n" in text and f"--- /dev/null\n+++ b/tools/server/{name}" in text, name
-    cmakelists = text.split("+++ b/tools/server/CMakeLists.txt\n", 1)[1].split("diff --git", 1)[0]
-    assert "+    server-polykv.cpp" in cmakelists
+def test_no_patch_creates_a_file() -> None:
+    """polykv's own code is real source under native/; the patches hold only call sites and build lines."""
+    for p in patchtool.patch_files():
+        assert patchtool.created_files(p) == [], f"{p.name} creates files"
+        assert "\nnew file mode" not in p.read_text(), p.name
+
+
+def test_patch_that_creates_a_file_is_rejected(pristine_tree: Path, tmp_path: Path, monkeypatch) -> None:
+    tree = tmp_path / "llama.cpp"
+    shutil.copytree(pristine_tree, tree)
+    pdir = tmp_path / "patches"
+    pdir.mkdir()
+    (pdir / "0001-new-file.patch").write_text(
+        "# 0001-new-file\n# What: a new file\n# Why: test\n\n"
+        "diff --git a/tools/server/extra.cpp b/tools/server/extra.cpp\nnew file mode 100644\n"
+        "--- /dev/null\n+++ b/tools/server/extra.cpp\n@@ -0,0 +1 @@\n+int polykv_extra;\n"
+    )
+    monkeypatch.setattr(patchtool, "PATCH_DIR", pdir)
+    with pytest.raises(patchtool.PatchToolError, match=r"0001-new-file\.patch creates tools/server/extra\.cpp"):
+        patchtool.apply_series(tree)
+    assert not (tree / "tools/server/extra.cpp").exists()
+
+
+def test_polykv_code_lives_in_native_and_the_reference_server_does_not_build_it() -> None:
+    """native/polykv.cmake adds native/server to the patched server's library and native/ggml-cpu to
+    ggml-cpu; the reference server compiles the pristine sources named in cmake/upstream_server.cmake."""
+    native = patchtool.NATIVE_DIR
+    for rel in ("server/server-polykv.cpp", "server/server-polykv-files.cpp", "ggml-cpu/polykv-fattn.cpp"):
+        assert (native / rel).is_file(), rel
+    cmake = (native / "polykv.cmake").read_text()
+    assert "target_sources(server-context" in cmake and "target_sources(ggml-cpu" in cmake
+    assert "include(native/polykv.cmake)" in (patchtool.ROOT / "CMakeLists.txt").read_text()
     reference = (patchtool.ROOT / "cmake" / "upstream_server.cmake").read_text().splitlines()
     code = "".join(line.split("#", 1)[0] for line in reference)  # comments may name the file
-    assert "server-context.cpp" in code and "server-polykv" not in code
+    assert "server-context.cpp" in code and "polykv" not in code.replace("polykv-upstream", "")
 
 
 def patchtool_touched_files() -> list[str]:
@@ -122,6 +146,16 @@ def test_series_hash_changes_with_content(tmp_path: Path, monkeypatch) -> None:
     first = sorted(pdir.glob("*.patch"))[0]
     first.write_text(first.read_text() + "\n")
     assert patchtool.series_hash() != base
+
+
+def test_build_stamp_covers_native_sources(tmp_path: Path) -> None:
+    native = tmp_path / "native"
+    shutil.copytree(patchtool.NATIVE_DIR, native)
+    base = patchtool.series_hash(native_dir=native)
+    assert base == patchtool.series_hash()
+    src = native / "server" / "server-polykv.cpp"
+    src.write_text(src.read_text() + "// edited\n")
+    assert patchtool.series_hash(native_dir=native) != base
 
 
 def test_edited_patch_is_rolled_back_and_reapplied(pristine_tree: Path, tmp_path: Path, monkeypatch) -> None:

@@ -1,0 +1,666 @@
+// polykv: shared-prefix decode attention for the CPU backend (see polykv-fattn.h).
+//
+// The computation for one KV head g of one stream, over one chunk of cells [c0, c1):
+//   rows r = token i * rk2 + query head h (the rk2 query heads that read KV head g)
+//   QT  [DK x Rp]  the rows' queries, scaled, transposed (Rp = rows padded to 16)
+//   per tile of T cells:
+//     Kf [T x DK], Vf [T x DV]   the tile's K and V rows as f32, converted once for all rows
+//     shared tile (most rows see most cells): ST[T x Rp] = mask + Kf * QT (a GEMM), the online
+//       softmax runs along the cells for all rows at once (vector over rows), ACC += P^T * Vf
+//     private tile (each cell seen by few rows): per row, only the cells it sees
+//   the chunk's (M, S, ACC) per row go to a partials buffer; after a barrier each row's chunks
+//   are merged in chunk order (log-sum-exp) and written to dst: the result does not depend on
+//   which thread took which chunk.
+//
+// POLYKV_FA_CORE_ONLY builds only the computation (namespace POLYKV_FA_NS), so a test can compile
+// it again with other instruction sets (AVX2, none) and compare every variant on one machine.
+
+#include "polykv-fattn.h"
+
+#define GGML_COMMON_DECL_CPP
+#include "ggml-common.h"
+
+#include "vec.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#ifndef POLYKV_FA_NS
+#define POLYKV_FA_NS polykv_fa
+#endif
+
+namespace POLYKV_FA_NS {
+
+static constexpr int64_t TILE = 64;   // cells per tile
+static constexpr int64_t RPAD = 16;   // rows are padded to a multiple of this (>= any f32 vector)
+static constexpr int64_t ALIGN_F = 16; // scratch buffers start on 64-byte boundaries
+static constexpr int64_t MAX_ROWS = 64; // from 64 query rows upstream's tiled kernel takes over
+
+enum kv_kind { KV_F16 = 0, KV_Q8_0 = 1 };
+
+struct problem {
+    int64_t DK, DV;
+    int64_t N;          // tokens (query rows per head)
+    int64_t n_head;     // query heads
+    int64_t n_head_kv;  // KV heads
+    int64_t ne3;        // streams of q
+    int64_t n_kv;       // cells
+    int64_t rk2, rk3;   // query heads per KV head, q streams per KV stream
+    const char * q; size_t nbq1, nbq2, nbq3;
+    const char * k; size_t nbk1, nbk2, nbk3; int k_kind;
+    const char * v; size_t nbv1, nbv2, nbv3; int v_kind;
+    const char * mask; size_t nbm1, nbm3; int64_t mask_ne3;
+    float scale;
+    char * dst; size_t nb1;
+    // derived
+    int64_t Rg, Rp;       // rows of one group, padded
+    int64_t chunk;        // cells per chunk (multiple of TILE)
+    int64_t n_chunks;
+    int64_t n_rows_total; // N * n_head * ne3
+};
+
+struct stats_delta {
+    uint64_t shared = 0, priv = 0, skipped = 0;
+};
+
+static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+static inline void set_chunking(problem & p, int nth) {
+    // about 4 chunks per thread so threads can even out, never below 4 tiles
+    const int64_t want = (p.n_kv + 4*nth - 1) / (4*nth);
+    p.chunk    = std::max<int64_t>(4*TILE, round_up(want, TILE));
+    p.n_chunks = (p.n_kv + p.chunk - 1) / p.chunk;
+}
+
+// floats of scratch one thread needs
+static inline int64_t scratch_floats(const problem & p) {
+    const int64_t a = ALIGN_F;
+    return round_up(p.DK*p.Rp, a)      // QT
+         + round_up(p.Rp*p.DK, a)      // Qr
+         + round_up(TILE*p.DK, a)      // Kf
+         + round_up(TILE*p.DV, a)      // Vf
+         + round_up(TILE*p.Rp, a)      // ST / P^T
+         + round_up(p.Rp*p.DV, a)      // ACC
+         + 6*round_up(p.Rp, a)         // M, S, mt, ms, sub, rs
+         + round_up(p.N*TILE, a)       // MK: mask values per token and cell
+         + 2*round_up(TILE, a)         // sc, list
+         + round_up(p.N, a)            // cnt
+         + a;                          // alignment of the base
+}
+
+static inline int64_t partials_floats(const problem & p) {
+    return p.n_chunks * p.n_rows_total * (2 + p.DV);
+}
+
+// ---------------------------------------------------------------------------- small vector ops
+
+static inline void row_to_f32(int kind, const char * src, float * dst, int64_t n) {
+    if (kind == KV_F16) {
+        const ggml_fp16_t * s = (const ggml_fp16_t *) src;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= n; i += 16) {
+            _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + i))));
+        }
+#elif defined(__F16C__)
+        for (; i + 8 <= n; i += 8) {
+            _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
+        }
+#endif
+        for (; i < n; ++i) {
+            dst[i] = GGML_CPU_FP16_TO_FP32(s[i]);
+        }
+    } else {
+        const block_q8_0 * b = (const block_q8_0 *) src;
+        for (int64_t ib = 0; ib < n/QK8_0; ++ib) {
+            const float d = GGML_CPU_FP16_TO_FP32(b[ib].d);
+            for (int j = 0; j < QK8_0; ++j) {
+                dst[ib*QK8_0 + j] = d * (float) b[ib].qs[j];
+            }
+        }
+    }
+}
+
+static inline float dot_f32(const float * a, const float * b, int64_t n) {
+    int64_t i = 0;
+    float sum = 0.0f;
+#if defined(GGML_SIMD)
+    GGML_F32_VEC acc = GGML_F32_VEC_ZERO;
+    for (; i + GGML_F32_EPR <= n; i += GGML_F32_EPR) {
+        acc = GGML_F32_VEC_FMA(acc, GGML_F32_VEC_LOAD(a + i), GGML_F32_VEC_LOAD(b + i));
+    }
+    float tmp[GGML_F32_EPR];
+    GGML_F32_VEC_STORE(tmp, acc);
+    for (int j = 0; j < GGML_F32_EPR; ++j) {
+        sum += tmp[j];
+    }
+#endif
+    for (; i < n; ++i) {
+        sum += a[i]*b[i];
+    }
+    return sum;
+}
+
+// y += x*s
+static inline void axpy_f32(float * y, const float * x, float s, int64_t n) {
+    int64_t i = 0;
+#if defined(GGML_SIMD)
+    const GGML_F32_VEC vs = GGML_F32_VEC_SET1(s);
+    for (; i + GGML_F32_EPR <= n; i += GGML_F32_EPR) {
+        GGML_F32_VEC_STORE(y + i, GGML_F32_VEC_FMA(GGML_F32_VEC_LOAD(y + i), GGML_F32_VEC_LOAD(x + i), vs));
+    }
+#endif
+    for (; i < n; ++i) {
+        y[i] += x[i]*s;
+    }
+}
+
+static inline void scale_f32(float * y, float s, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) {
+        y[i] *= s;
+    }
+}
+
+// y[j] = exp(x[j] - sub[j]), rs[j] += y[j] for j < n (n a multiple of RPAD)
+static inline void exp_sub_acc(float * y, const float * x, const float * sub, float * rs, int64_t n) {
+    int64_t j = 0;
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+    for (; j + 16 <= n; j += 16) {
+        const __m512 e = ggml_v_expf(_mm512_sub_ps(_mm512_loadu_ps(x + j), _mm512_loadu_ps(sub + j)));
+        _mm512_storeu_ps(y + j, e);
+        _mm512_storeu_ps(rs + j, _mm512_add_ps(_mm512_loadu_ps(rs + j), e));
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    for (; j + 8 <= n; j += 8) {
+        const __m256 e = ggml_v_expf(_mm256_sub_ps(_mm256_loadu_ps(x + j), _mm256_loadu_ps(sub + j)));
+        _mm256_storeu_ps(y + j, e);
+        _mm256_storeu_ps(rs + j, _mm256_add_ps(_mm256_loadu_ps(rs + j), e));
+    }
+#endif
+    for (; j < n; ++j) {
+        y[j]   = expf(x[j] - sub[j]);
+        rs[j] += y[j];
+    }
+}
+
+// ---------------------------------------------------------------------------- GEMM micro-kernel
+// C[M x Ncols] += A * B, A(i, kk) = A[i*a_is + kk*a_ks], B row-major [K x Ncols] (ldb),
+// C row-major (ldc); Ncols a multiple of the vector width.
+
+#if defined(GGML_SIMD)
+#if defined(__AVX512F__)
+static constexpr int UK_RM = 4, UK_RN = 4;
+#elif defined(__AVX2__) || defined(__AVX__)
+static constexpr int UK_RM = 4, UK_RN = 2;
+#else
+static constexpr int UK_RM = 2, UK_RN = 2;
+#endif
+
+template <int RM, int RN>
+static inline void ukernel(float * GGML_RESTRICT C, int64_t ldc,
+                           const float * GGML_RESTRICT A, int64_t a_is, int64_t a_ks,
+                           const float * GGML_RESTRICT B, int64_t ldb, int64_t K) {
+    constexpr int E = GGML_F32_EPR;
+    GGML_F32_VEC acc[RM][RN];
+    for (int i = 0; i < RM; ++i) {
+        for (int r = 0; r < RN; ++r) {
+            acc[i][r] = GGML_F32_VEC_LOAD(C + i*ldc + r*E);
+        }
+    }
+    for (int64_t kk = 0; kk < K; ++kk) {
+        GGML_F32_VEC bv[RN];
+        for (int r = 0; r < RN; ++r) {
+            bv[r] = GGML_F32_VEC_LOAD(B + kk*ldb + r*E);
+        }
+        for (int i = 0; i < RM; ++i) {
+            const GGML_F32_VEC a = GGML_F32_VEC_SET1(A[i*a_is + kk*a_ks]);
+            for (int r = 0; r < RN; ++r) {
+                acc[i][r] = GGML_F32_VEC_FMA(acc[i][r], bv[r], a);
+            }
+        }
+    }
+    for (int i = 0; i < RM; ++i) {
+        for (int r = 0; r < RN; ++r) {
+            GGML_F32_VEC_STORE(C + i*ldc + r*E, acc[i][r]);
+        }
+    }
+}
+
+template <int RM>
+static inline void gemm_rows(float * C, int64_t ldc, const float * A, int64_t a_is, int64_t a_ks,
+                             const float * B, int64_t ldb, int64_t K, int64_t Ncols) {
+    constexpr int E = GGML_F32_EPR;
+    int64_t j = 0;
+    for (; j + UK_RN*E <= Ncols; j += UK_RN*E) {
+        ukernel<RM, UK_RN>(C + j, ldc, A, a_is, a_ks, B + j, ldb, K);
+    }
+    // the rest in one pass when it fits the registers (e.g. 48 rows = 3 vectors on AVX-512)
+    const int64_t rest = (Ncols - j)/E;
+    if (UK_RN >= 3 && rest == 3) {
+        ukernel<RM, 3>(C + j, ldc, A, a_is, a_ks, B + j, ldb, K);
+        j += 3*E;
+    } else if (UK_RN >= 2 && rest >= 2) {
+        ukernel<RM, 2>(C + j, ldc, A, a_is, a_ks, B + j, ldb, K);
+        j += 2*E;
+    }
+    for (; j + E <= Ncols; j += E) {
+        ukernel<RM, 1>(C + j, ldc, A, a_is, a_ks, B + j, ldb, K);
+    }
+}
+#endif
+
+static void gemm(float * C, int64_t ldc, const float * A, int64_t a_is, int64_t a_ks,
+                 const float * B, int64_t ldb, int64_t M, int64_t K, int64_t Ncols) {
+#if defined(GGML_SIMD)
+    int64_t i = 0;
+    for (; i + UK_RM <= M; i += UK_RM) {
+        gemm_rows<UK_RM>(C + i*ldc, ldc, A + i*a_is, a_is, a_ks, B, ldb, K, Ncols);
+    }
+    for (; i < M; ++i) {
+        gemm_rows<1>(C + i*ldc, ldc, A + i*a_is, a_is, a_ks, B, ldb, K, Ncols);
+    }
+#else
+    for (int64_t i = 0; i < M; ++i) {
+        for (int64_t kk = 0; kk < K; ++kk) {
+            const float a = A[i*a_is + kk*a_ks];
+            for (int64_t j = 0; j < Ncols; ++j) {
+                C[i*ldc + j] += a*B[kk*ldb + j];
+            }
+        }
+    }
+#endif
+}
+
+// ---------------------------------------------------------------------------- one work item
+
+struct scratch {
+    float * QT, * Qr, * Kf, * Vf, * ST, * ACC;
+    float * M, * S, * mt, * ms, * sub, * rs;
+    float * MK, * sc;
+    int32_t * list, * cnt;
+};
+
+static scratch carve(const problem & p, float * base) {
+    float * w = (float *) (((uintptr_t) base + 63) & ~(uintptr_t) 63);
+    auto take = [&](int64_t n) { float * r = w; w += round_up(n, ALIGN_F); return r; };
+    scratch s;
+    s.QT  = take(p.DK*p.Rp);
+    s.Qr  = take(p.Rp*p.DK);
+    s.Kf  = take(TILE*p.DK);
+    s.Vf  = take(TILE*p.DV);
+    s.ST  = take(TILE*p.Rp);
+    s.ACC = take(p.Rp*p.DV);
+    s.M   = take(p.Rp); s.S = take(p.Rp); s.mt = take(p.Rp);
+    s.ms  = take(p.Rp); s.sub = take(p.Rp); s.rs = take(p.Rp);
+    s.MK  = take(p.N*TILE);
+    s.sc  = take(TILE);
+    s.list = (int32_t *) take(TILE);
+    s.cnt  = (int32_t *) take(p.N);
+    return s;
+}
+
+// item = (stream i3, KV head g, chunk ch); writes the chunk's partials of the group's rows
+static void run_item(const problem & p, int64_t item, float * scratch_base, float * partials, stats_delta & st) {
+    const int64_t ch = item % p.n_chunks;
+    const int64_t g  = (item / p.n_chunks) % p.n_head_kv;
+    const int64_t i3 = item / (p.n_chunks * p.n_head_kv);
+
+    const int64_t c0 = ch*p.chunk;
+    const int64_t c1 = std::min(c0 + p.chunk, p.n_kv);
+
+    const int64_t DK = p.DK, DV = p.DV, N = p.N, rk2 = p.rk2, Rg = p.Rg, Rp = p.Rp;
+    const int64_t ik3 = i3 / p.rk3;
+
+    scratch s = carve(p, scratch_base);
+
+    // queries of the group, scaled: Qr row-major, QT transposed (padded rows are zero)
+    for (int64_t i = 0; i < N; ++i) {
+        for (int64_t h = 0; h < rk2; ++h) {
+            const int64_t r   = i*rk2 + h;
+            const int64_t iq2 = g*rk2 + h;
+            const float * q = (const float *) (p.q + i*p.nbq1 + iq2*p.nbq2 + i3*p.nbq3);
+            for (int64_t d = 0; d < DK; ++d) {
+                const float x = q[d]*p.scale;
+                s.Qr[r*DK + d] = x;
+                s.QT[d*Rp + r] = x;
+            }
+        }
+    }
+    for (int64_t d = 0; d < DK; ++d) {
+        for (int64_t r = Rg; r < Rp; ++r) {
+            s.QT[d*Rp + r] = 0.0f;
+        }
+    }
+    for (int64_t r = 0; r < Rp; ++r) {
+        s.M[r] = -INFINITY;
+        s.S[r] = 0.0f;
+    }
+    memset(s.ACC, 0, sizeof(float)*Rp*DV);
+
+    const char * kbase = p.k + g*p.nbk2 + ik3*p.nbk3;
+    const char * vbase = p.v + g*p.nbv2 + ik3*p.nbv3;
+    const char * mbase = p.mask + (i3 % p.mask_ne3)*p.nbm3;
+
+    for (int64_t t0 = c0; t0 < c1; t0 += TILE) {
+        const int64_t tn = std::min(TILE, c1 - t0);
+
+        // mask values of the tile per token, how many cells each token sees, and whether every
+        // value is 0 (the usual shared tile: then the scores need no mask)
+        int64_t seen = 0, zeros = 0;
+        for (int64_t i = 0; i < N; ++i) {
+            float * mk = s.MK + i*TILE;
+            row_to_f32(KV_F16, mbase + i*p.nbm1 + t0*sizeof(ggml_fp16_t), mk, tn);
+            int32_t n_seen = 0, n_zero = 0;
+            for (int64_t c = 0; c < tn; ++c) {
+                n_seen += mk[c] != -INFINITY;
+                n_zero += mk[c] == 0.0f;
+            }
+            s.cnt[i] = n_seen;
+            seen  += n_seen;
+            zeros += n_zero;
+        }
+        if (seen == 0) {
+            st.skipped++;
+            continue;
+        }
+
+        for (int64_t c = 0; c < tn; ++c) {
+            row_to_f32(p.k_kind, kbase + (t0 + c)*p.nbk1, s.Kf + c*DK, DK);
+            row_to_f32(p.v_kind, vbase + (t0 + c)*p.nbv1, s.Vf + c*DV, DV);
+        }
+
+        if (4*seen >= N*tn) {
+            // shared tile: all rows at once
+            st.shared++;
+            if (zeros == N*tn) {
+                // every row sees every cell: the scores start at 0 (padded rows' scores are never used)
+                memset(s.ST, 0, sizeof(float)*tn*Rp);
+            } else for (int64_t c = 0; c < tn; ++c) {
+                float * row = s.ST + c*Rp;
+                for (int64_t i = 0; i < N; ++i) {
+                    const float mv = s.MK[i*TILE + c];
+                    for (int64_t h = 0; h < rk2; ++h) {
+                        row[i*rk2 + h] = mv;
+                    }
+                }
+                for (int64_t r = Rg; r < Rp; ++r) {
+                    row[r] = -INFINITY;
+                }
+            }
+            gemm(s.ST, Rp, s.Kf, DK, 1, s.QT, Rp, tn, DK, Rp);
+
+            for (int64_t r = 0; r < Rp; ++r) {
+                s.mt[r] = -INFINITY;
+                s.rs[r] = 0.0f;
+            }
+            for (int64_t c = 0; c < tn; ++c) {
+                const float * row = s.ST + c*Rp;
+                for (int64_t r = 0; r < Rp; ++r) {
+                    s.mt[r] = row[r] > s.mt[r] ? row[r] : s.mt[r];
+                }
+            }
+            for (int64_t r = 0; r < Rp; ++r) {
+                const float Mold = s.M[r];
+                const float Mnew = std::max(Mold, s.mt[r]);
+                s.sub[r] = Mnew == -INFINITY ? 0.0f : Mnew;
+                s.ms[r]  = Mold == -INFINITY ? 0.0f : (Mold == Mnew ? 1.0f : expf(Mold - Mnew));
+                s.M[r]   = Mnew;
+            }
+            for (int64_t c = 0; c < tn; ++c) {
+                exp_sub_acc(s.ST + c*Rp, s.ST + c*Rp, s.sub, s.rs, Rp);
+            }
+            for (int64_t r = 0; r < Rg; ++r) {
+                s.S[r] = s.S[r]*s.ms[r] + s.rs[r];
+                if (s.ms[r] != 1.0f) {
+                    scale_f32(s.ACC + r*DV, s.ms[r], DV);
+                }
+            }
+            // ACC[Rg x DV] += P[Rg x tn] * Vf[tn x DV], P(r, c) = ST[c*Rp + r]
+            gemm(s.ACC, DV, s.ST, 1, Rp, s.Vf, DV, Rg, tn, DV);
+        } else {
+            // private tile: each token's rows over the cells that token sees
+            st.priv++;
+            for (int64_t i = 0; i < N; ++i) {
+                if (s.cnt[i] == 0) {
+                    continue;
+                }
+                const float * mk = s.MK + i*TILE;
+                int32_t nl = 0;
+                for (int64_t c = 0; c < tn; ++c) {
+                    if (mk[c] != -INFINITY) {
+                        s.list[nl++] = (int32_t) c;
+                    }
+                }
+                for (int64_t h = 0; h < rk2; ++h) {
+                    const int64_t r = i*rk2 + h;
+                    float mx = -INFINITY;
+                    for (int32_t j = 0; j < nl; ++j) {
+                        const int32_t c = s.list[j];
+                        s.sc[j] = dot_f32(s.Qr + r*DK, s.Kf + c*DK, DK) + mk[c];
+                        mx = std::max(mx, s.sc[j]);
+                    }
+                    const float Mold = s.M[r];
+                    const float Mnew = std::max(Mold, mx);
+                    const float ms   = Mold == -INFINITY ? 0.0f : (Mold == Mnew ? 1.0f : expf(Mold - Mnew));
+                    float sum = 0.0f;
+                    for (int32_t j = 0; j < nl; ++j) {
+                        s.sc[j] = expf(s.sc[j] - Mnew);
+                        sum += s.sc[j];
+                    }
+                    s.S[r] = s.S[r]*ms + sum;
+                    s.M[r] = Mnew;
+                    float * acc = s.ACC + r*DV;
+                    if (ms != 1.0f) {
+                        scale_f32(acc, ms, DV);
+                    }
+                    for (int32_t j = 0; j < nl; ++j) {
+                        axpy_f32(acc, s.Vf + s.list[j]*DV, s.sc[j], DV);
+                    }
+                }
+            }
+        }
+    }
+
+    // partials of this chunk: [M, S, ACC] per row
+    for (int64_t i = 0; i < N; ++i) {
+        for (int64_t h = 0; h < rk2; ++h) {
+            const int64_t r   = i*rk2 + h;
+            const int64_t iq2 = g*rk2 + h;
+            const int64_t gr  = (i3*p.n_head + iq2)*N + i;
+            float * part = partials + (ch*p.n_rows_total + gr)*(2 + DV);
+            part[0] = s.M[r];
+            part[1] = s.S[r];
+            memcpy(part + 2, s.ACC + r*DV, sizeof(float)*DV);
+        }
+    }
+}
+
+// merges the chunks of global rows [gr0, gr1) in chunk order and writes dst
+static void reduce_rows(const problem & p, int64_t gr0, int64_t gr1, const float * partials, float * tmp) {
+    const int64_t DV = p.DV;
+    for (int64_t gr = gr0; gr < gr1; ++gr) {
+        float M = -INFINITY, S = 0.0f;
+        memset(tmp, 0, sizeof(float)*DV);
+        for (int64_t ch = 0; ch < p.n_chunks; ++ch) {
+            const float * part = partials + (ch*p.n_rows_total + gr)*(2 + DV);
+            if (part[1] == 0.0f) {
+                continue;
+            }
+            const float Mn = std::max(M, part[0]);
+            const float so = M == -INFINITY ? 0.0f : expf(M - Mn);
+            const float sn = expf(part[0] - Mn);
+            for (int64_t d = 0; d < DV; ++d) {
+                tmp[d] = tmp[d]*so + part[2 + d]*sn;
+            }
+            S = S*so + part[1]*sn;
+            M = Mn;
+        }
+        const float S_inv = S == 0.0f ? 0.0f : 1.0f/S;
+        for (int64_t d = 0; d < DV; ++d) {
+            tmp[d] *= S_inv;
+        }
+        const int64_t i1 = gr % p.N;
+        const int64_t i2 = (gr / p.N) % p.n_head;
+        const int64_t i3 = gr / (p.N*p.n_head);
+        // dst is [DV, n_head, N, ne3] (permuted back)
+        memcpy(p.dst + (i3*p.N*p.n_head + i2 + i1*p.n_head)*p.nb1, tmp, sizeof(float)*DV);
+    }
+}
+
+static int kv_kind_of(enum ggml_type t) {
+    switch (t) {
+        case GGML_TYPE_F16:  return KV_F16;
+        case GGML_TYPE_Q8_0: return KV_Q8_0;
+        default:             return -1;
+    }
+}
+
+// fills p if dst qualifies (shape, types, options); independent of the on/off switch
+static bool describe(const ggml_tensor * dst, int nth, problem & p) {
+    const ggml_tensor * q     = dst->src[0];
+    const ggml_tensor * k     = dst->src[1];
+    const ggml_tensor * v     = dst->src[2];
+    const ggml_tensor * mask  = dst->src[3];
+    const ggml_tensor * sinks = dst->src[4];
+
+    if (dst->op != GGML_OP_FLASH_ATTN_EXT || !q || !k || !v || !mask || sinks) {
+        return false;
+    }
+    const int k_kind = kv_kind_of(k->type);
+    const int v_kind = kv_kind_of(v->type);
+    if (q->type != GGML_TYPE_F32 || k_kind < 0 || v_kind < 0 || mask->type != GGML_TYPE_F16 || dst->type != GGML_TYPE_F32) {
+        return false;
+    }
+    float scale, max_bias, softcap;
+    memcpy(&scale,    (const float *) dst->op_params + 0, sizeof(float));
+    memcpy(&max_bias, (const float *) dst->op_params + 1, sizeof(float));
+    memcpy(&softcap,  (const float *) dst->op_params + 2, sizeof(float));
+    if (max_bias != 0.0f || softcap != 0.0f) {
+        return false;
+    }
+    const int64_t DK = k->ne[0], DV = v->ne[0], N = q->ne[1];
+    if (N < 2 || N >= MAX_ROWS || q->ne[0] != DK || DK % 32 != 0 || DV % 32 != 0 || DK > 512 || DV > 512) {
+        return false;
+    }
+    if (k->ne[1] != v->ne[1] || k->ne[2] != v->ne[2] || k->ne[3] != v->ne[3] || k->ne[2] == 0 ||
+        q->ne[2] % k->ne[2] != 0 || q->ne[3] % k->ne[3] != 0) {
+        return false;
+    }
+    if (mask->ne[0] < k->ne[1] || mask->ne[1] < N || mask->ne[2] != 1 || q->ne[3] % mask->ne[3] != 0) {
+        return false;
+    }
+    if (q->nb[0] != sizeof(float) || k->nb[0] != ggml_type_size(k->type) || v->nb[0] != ggml_type_size(v->type) ||
+        mask->nb[0] != sizeof(ggml_fp16_t) || dst->nb[0] != sizeof(float) ||
+        dst->ne[0] != DV || dst->ne[1] != q->ne[2] || dst->ne[2] != N) {
+        return false;
+    }
+
+    p.DK = DK; p.DV = DV; p.N = N;
+    p.n_head = q->ne[2]; p.n_head_kv = k->ne[2]; p.ne3 = q->ne[3]; p.n_kv = k->ne[1];
+    p.rk2 = q->ne[2] / k->ne[2]; p.rk3 = q->ne[3] / k->ne[3];
+    p.q = (const char *) q->data; p.nbq1 = q->nb[1]; p.nbq2 = q->nb[2]; p.nbq3 = q->nb[3];
+    p.k = (const char *) k->data; p.nbk1 = k->nb[1]; p.nbk2 = k->nb[2]; p.nbk3 = k->nb[3]; p.k_kind = k_kind;
+    p.v = (const char *) v->data; p.nbv1 = v->nb[1]; p.nbv2 = v->nb[2]; p.nbv3 = v->nb[3]; p.v_kind = v_kind;
+    p.mask = (const char *) mask->data; p.nbm1 = mask->nb[1]; p.nbm3 = mask->nb[3]; p.mask_ne3 = mask->ne[3];
+    p.scale = scale;
+    p.dst = (char *) dst->data; p.nb1 = dst->nb[1];
+    p.Rg = N*p.rk2;
+    p.Rp = round_up(p.Rg, RPAD);
+    p.n_rows_total = N*p.n_head*p.ne3;
+    set_chunking(p, nth);
+    return true;
+}
+
+static size_t wsize_of(const problem & p, int nth) {
+    return sizeof(float)*(size_t)(nth*scratch_floats(p) + partials_floats(p));
+}
+
+#ifdef POLYKV_FA_CORE_ONLY
+// one thread, own buffers: lets a test run this build of the computation on dst's sources
+bool run_single(ggml_tensor * dst) {
+    problem p;
+    if (!describe(dst, 1, p)) {
+        return false;
+    }
+    std::vector<float> scratch_buf(scratch_floats(p)), part(partials_floats(p));
+    stats_delta st;
+    for (int64_t item = 0; item < p.ne3*p.n_head_kv*p.n_chunks; ++item) {
+        run_item(p, item, scratch_buf.data(), part.data(), st);
+    }
+    reduce_rows(p, 0, p.n_rows_total, part.data(), carve(p, scratch_buf.data()).ACC);
+    return true;
+}
+#endif
+
+} // namespace POLYKV_FA_NS
+
+#ifndef POLYKV_FA_CORE_ONLY
+
+#include "ggml-cpu-impl.h"
+#include "ggml-impl.h"
+
+using namespace POLYKV_FA_NS;
+
+static std::atomic<bool>     g_on{false};
+static std::atomic<uint64_t> g_stats[4];
+
+void ggml_backend_cpu_polykv_set_shared_decode(bool on) { g_on.store(on); }
+bool ggml_backend_cpu_polykv_get_shared_decode(void)    { return g_on.load(); }
+
+void ggml_backend_cpu_polykv_shared_decode_stats(uint64_t out[4]) {
+    for (int i = 0; i < 4; ++i) {
+        out[i] = g_stats[i].load();
+    }
+}
+
+size_t ggml_cpu_polykv_fa_wsize(const ggml_tensor * dst, int n_tasks) {
+    problem p;
+    return describe(dst, n_tasks, p) ? wsize_of(p, n_tasks) : 0;
+}
+
+bool ggml_cpu_polykv_fa_decode(const ggml_compute_params * params, ggml_tensor * dst) {
+    if (!g_on.load(std::memory_order_relaxed)) {
+        return false;
+    }
+    const int ith = params->ith, nth = params->nth;
+    problem p;
+    if (!describe(dst, nth, p) || params->wsize < wsize_of(p, nth)) {
+        return false;
+    }
+
+    float * wbase    = (float *) params->wdata;
+    float * partials = wbase + nth*scratch_floats(p);
+    float * mine     = wbase + ith*scratch_floats(p);
+
+    const int64_t n_items = p.ne3 * p.n_head_kv * p.n_chunks;
+
+    if (ith == 0) {
+        ggml_threadpool_chunk_set(params->threadpool, nth);
+    }
+    ggml_barrier(params->threadpool);
+
+    stats_delta st;
+    for (int64_t item = ith; item < n_items; item = ggml_threadpool_chunk_add(params->threadpool, 1)) {
+        run_item(p, item, mine, partials, st);
+    }
+
+    ggml_barrier(params->threadpool);
+
+    const int64_t per = (p.n_rows_total + nth - 1) / nth;
+    const int64_t gr0 = std::min<int64_t>(ith*per, p.n_rows_total);
+    const int64_t gr1 = std::min<int64_t>(gr0 + per, p.n_rows_total);
+    reduce_rows(p, gr0, gr1, partials, carve(p, mine).ACC);
+
+    if (ith == 0) {
+        g_stats[0].fetch_add(1, std::memory_order_relaxed);
+    }
+    g_stats[1].fetch_add(st.shared, std::memory_order_relaxed);
+    g_stats[2].fetch_add(st.priv, std::memory_order_relaxed);
+    g_stats[3].fetch_add(st.skipped, std::memory_order_relaxed);
+    return true;
+}
+
+#endif // POLYKV_FA_CORE_ONLY

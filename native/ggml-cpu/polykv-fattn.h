@@ -1,0 +1,44 @@
+// polykv: flash attention for decode batches whose rows share KV cells (shared-prefix decode).
+//
+// A decode batch of N agents over one shared prefix has N query rows that all see the prefix
+// cells. The upstream CPU kernel scores each row on its own (one-row path below 64 rows), so the
+// prefix K/V is read and converted N x (query heads per KV head) times. This path groups, per KV
+// head, the N rows times the query heads that share that KV head, loads each K/V tile once for
+// all of them (a small GEMM against the tile), splits the KV range into chunks that threads take
+// one at a time (partials merged with log-sum-exp), and skips tiles where every row is masked.
+// Tiles that only a few rows see (private cells) are scored per row, cell by cell.
+//
+// Off by default: only a caller that sets it (the patched llama-server's --shared-decode, the
+// polykv engine) turns it on, through the CPU backend's proc address
+// "ggml_backend_cpu_polykv_set_shared_decode". Off, ggml computes exactly what upstream computes.
+#pragma once
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct ggml_tensor;
+struct ggml_compute_params;
+
+// turn the path on or off for this process (all CPU backends)
+void ggml_backend_cpu_polykv_set_shared_decode(bool on);
+bool ggml_backend_cpu_polykv_get_shared_decode(void);
+
+// counters since start: [0] flash-attention ops computed by this path, [1] tiles scored as a
+// block (shared), [2] tiles scored row by row (private), [3] tiles skipped (every row masked)
+void ggml_backend_cpu_polykv_shared_decode_stats(uint64_t out[4]);
+
+// work buffer this op needs if it qualifies for the path (0 if it never can)
+size_t ggml_cpu_polykv_fa_wsize(const struct ggml_tensor * dst, int n_tasks);
+
+// computes dst and returns true if the path is on and applies; false: nothing was touched
+// (all threads reach the same answer)
+bool ggml_cpu_polykv_fa_decode(const struct ggml_compute_params * params, struct ggml_tensor * dst);
+
+#ifdef __cplusplus
+}
+#endif

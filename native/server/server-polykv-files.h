@@ -1,0 +1,91 @@
+#pragma once
+
+// polykv pool files (patch 0075): a reserved pool's KV saved to a verified file and restored from it.
+//
+// The container is the one polykv's in-process engine writes (polykv_py/llama/state.py), so a prefix saved by
+// either can be restored into the other:
+//
+//   "PKVPFX\0\1" (8 bytes) | u32 little-endian header length | UTF-8 JSON header | llama sequence state bytes
+//
+// The header records the model (sha256 of the GGUF file and its shape), the KV layout (streams, K and V types),
+// the token list and its sha256, the sha256 of the pool's cache_salt (never the salt), and the size and CRC-32 of
+// the state. A restore checks all of it before the pool's KV is touched; only then is the pool cleared and the
+// state loaded (a load that fails leaves the pool empty, never half-loaded). A save writes "<name>.part.<pid>",
+// flushes it and renames it over the name, so a save killed midway never leaves a file a restore accepts.
+
+#include "server-common.h" // json, common_params, llama_tokens
+
+#include <cstdint>
+#include <future>
+#include <string>
+#include <vector>
+
+struct polykv_cells_origin;
+
+// What an operator sees of a reserved pool in /slots ("polykv_pool_state"), besides its tokens.
+struct polykv_pool_stats {
+    uint64_t    hits          = 0; // shares (hit or copied) taken from the pool
+    int64_t     t_last_use_us = 0; // last share, restore or prompt on the pool (ggml_time_us); 0: never
+    std::string restored_from;     // the file of the last restore ("" if primed here or never filled)
+};
+
+// A verified pool file, read into memory; nothing in the KV cache has changed yet.
+struct polykv_pool_file {
+    llama_tokens      tokens;
+    std::string       tokens_sha256;
+    std::string       salt_sha256; // "" = unsalted
+    std::vector<char> state;
+    size_t            n_bytes = 0; // size of the file
+};
+
+// The model and KV identity of this server (what a file must match), and the file operations.
+class polykv_pool_files {
+  public:
+    // Starts hashing the model file in the background (when --pool-slots is given; a no-op otherwise).
+    void init(const common_params & params, const llama_model * model, llama_context * ctx);
+
+    bool enabled() const { return model_ != nullptr; }
+
+    // {"format": 2, "model": {...}, "kv": {...}}: waits for the model hash; "model.sha256" is null if the file
+    // could not be read (then every save and restore is refused).
+    json identity() const;
+
+    // Writes the sequence seq_id, which holds exactly tokens at positions [0, n), as a pool file (atomic).
+    // Throws std::runtime_error with the reason (nothing written then). Returns the "polykv" response object.
+    json save(llama_context * ctx, llama_seq_id seq_id, const llama_tokens & tokens, const polykv_cells_origin & origin,
+              const std::string & path) const;
+
+    // Reads and verifies a pool file against this server, the request's expectations (the "polykv" object of
+    // polykv_slot_action_fields) and the slot's context size. Throws std::runtime_error naming the reason.
+    polykv_pool_file read(const std::string & path, const json & expect, uint32_t n_ctx_slot) const;
+
+    // Loads a verified file into seq_id (which must be empty) and checks it holds [0, n). Throws on failure,
+    // leaving seq_id empty. Returns the "polykv" response object.
+    json load(llama_context * ctx, llama_seq_id seq_id, const polykv_pool_file & file) const;
+
+  private:
+    const llama_model *               model_ = nullptr;
+    std::shared_future<std::string>   model_sha256_; // "" if the file could not be read
+    json                              model_json_;   // the fingerprint without the hash
+    json                              kv_json_;      // {"n_stream", "type_k", "type_v"}
+    int32_t                           n_vocab_ = 0;
+};
+
+// The optional polykv fields of a /slots/N?action=save|restore body, checked when the request arrives
+// (std::invalid_argument -> HTTP 400): "tokens" (the token list the file must hold), "tokens_sha256",
+// "cache_salt" (the salt the pool was primed under). Returns them as a json object (empty if none).
+json polykv_slot_action_fields(const json & body);
+
+// A restored pool's origin: computed under the file's salt (the request's, checked against the file's hash)
+// and without LoRA (every adapter of this server at scale 0).
+polykv_cells_origin polykv_restored_origin(const json & expect, const std::vector<common_adapter_lora_info> & adapters);
+
+// The tokens whose cells the sequence holds: tokens [0, pos_max] if the sequence starts at position 0, else none.
+llama_tokens polykv_resident_tokens(llama_context * ctx, llama_seq_id seq_id, const server_tokens & tokens);
+
+// The "polykv_pool_state" object of a reserved pool's /slots entry.
+json polykv_pool_state_json(llama_context * ctx, llama_seq_id seq_id, const server_tokens & tokens,
+                            const polykv_cells_origin & origin, const polykv_pool_stats & stats, int n_sharers);
+
+// sha256 of a byte string, as 64 lowercase hex digits.
+std::string polykv_sha256_hex(const void * data, size_t n);

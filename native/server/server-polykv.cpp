@@ -1,0 +1,526 @@
+#include "server-polykv.h"
+
+#include "server-polykv-files.h" // polykv_pool_files::identity (0075)
+#include "server-task.h"
+
+#include "ggml-backend.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+// The log lines keep the prefix they had when this code was server_context's polykv_share_prefix()
+// member: "slot polykv_share: id <slot> | task <task> | poly-kv-pool: ..." (see SLT_INF).
+#define POLYKV_LOG(LEVEL, in, fmt, ...) \
+    LEVEL("slot %12.*s: id %2d | task %d | " fmt, 12, "polykv_share_prefix", (in).id_slot, (in).id_task, __VA_ARGS__)
+
+json server_shared_prefix_outcome::to_json() const {
+    json res = json {
+        {"pool_slot", pool_slot},
+        {"requested", requested_given ? json(requested) : json(nullptr)},
+        {"shared",    shared},
+        {"status",    status},
+    };
+    if (status == "mismatch") {
+        res["common"] = common;
+    }
+    if (!auto_kind.empty()) {
+        res["auto"] = auto_kind;
+    }
+    if (!reason.empty()) {
+        res["reason"] = reason;
+    }
+    return res;
+}
+
+polykv_share_decision polykv_share_decide(const polykv_share_input & in, int n_past) {
+    polykv_share_decision d;
+
+    auto & out = d.outcome;
+
+    out.pool_slot = in.pool_slot;
+    out.requested = in.auto_n ? 0 : in.requested;
+    out.requested_given = !in.auto_n;
+    out.auto_kind = in.auto_pool ? "pool" : in.auto_n ? "prefix" : "";
+
+    const int id_pool = out.pool_slot;
+    int n_req = std::min<int>(out.requested, (int) in.tokens->size());
+
+    if (!in.auto_n && n_req <= 0) {
+        POLYKV_LOG(LOG_INF, in, "poly-kv-pool: no prefix requested from slot %d (shared_prefix_n_tokens = %d)\n", id_pool, out.requested);
+        out.status = "no_prefix";
+        return d;
+    }
+
+    if (id_pool == in.id_slot) {
+        POLYKV_LOG(LOG_INF, in, "poly-kv-pool: task runs on the pool slot %d itself, using its own cache (n_past = %d)\n", id_pool, n_past);
+        out.status = "self";
+        return d;
+    }
+
+    // a pool whose cells another cache_salt computed: refused before anything about its tokens is looked at
+    // (no common prefix, no length is reported)
+    if (in.pool_tokens != nullptr && in.salt_differs) {
+        POLYKV_LOG(LOG_INF, in, "poly-kv-pool: pool slot %d was computed under another cache_salt - not sharing\n", id_pool);
+        out.status = "salt_mismatch";
+        return d;
+    }
+
+    // P not given: the longest common prefix of the pool's cached tokens and the prompt, leaving at least one
+    // prompt token to evaluate (the residency check below still applies)
+    if (in.auto_n && in.pool_tokens != nullptr) {
+        const int n_common = (int) in.pool_tokens->get_common_prefix(*in.tokens);
+        n_req = std::min<int>(n_common, (int) in.tokens->size() - 1);
+        if (n_req <= 0) {
+            const bool empty = in.pool_tokens->size() == 0;
+            POLYKV_LOG(LOG_INF, in, "poly-kv-pool: pool slot %d %s - nothing to share\n", id_pool, empty ? "holds no tokens" : "has no common prefix with the prompt");
+            out.status = empty ? "not_resident" : "no_prefix";
+            return d;
+        }
+        // a named pool that holds something else (another base was primed there): the few tokens the two have in
+        // common (BOS, a chat header) are not what the caller meant to share, so say "mismatch" as an explicit P
+        // would, and the caller can prime the pool again. (The pool's last cached token may be one it generated.)
+        const int n_pool_tok = (int) in.pool_tokens->size();
+        if (!in.auto_pool && n_common < in.auto_min && n_common < n_pool_tok - 1 && n_common < (int) in.tokens->size() - 1) {
+            out.common = (int32_t) n_common;
+            POLYKV_LOG(LOG_INF, in, "poly-kv-pool: pool slot %d has only %d tokens in common with the prompt (< %d) - not sharing\n",
+                       id_pool, n_common, in.auto_min);
+            out.status = "mismatch";
+            return d;
+        }
+    }
+
+    if (n_req > 0 && n_past >= n_req) {
+        POLYKV_LOG(LOG_INF, in, "poly-kv-pool: own cache already covers the %d-token prefix (n_past = %d), not sharing\n", n_req, n_past);
+        out.status = "own_cache";
+        return d;
+    }
+
+    const char * reason = nullptr;
+    if (in.pool_tokens == nullptr) {
+        reason = "no such pool slot";
+    } else if (in.not_completion) {
+        reason = "task type";
+    } else if (in.multimodal) {
+        reason = "multimodal";
+    } else if (in.no_partial_seq_rm) {
+        reason = "memory without partial sequence removal (recurrent/hybrid)";
+    } else if (in.swa) {
+        reason = "sliding-window attention";
+    } else if (in.speculative) {
+        reason = "speculative decoding";
+    } else if (in.ctx_shift) {
+        reason = "context shift enabled";
+    } else if (in.lora_differs) {
+        reason = "lora adapters differ from the pool slot";
+    }
+
+    if (reason != nullptr) {
+        POLYKV_LOG(LOG_WRN, in, "poly-kv-pool: cannot share from slot %d: %s - full reprocess\n", id_pool, reason);
+        out.status = "unsupported";
+        out.reason = reason;
+        return d;
+    }
+
+    // the pool's cells may change while it processes a task
+    if (in.pool_busy) {
+        POLYKV_LOG(LOG_WRN, in, "poly-kv-pool: pool slot %d is busy - skipping share, full reprocess\n", id_pool);
+        out.status = "pool_busy";
+        return d;
+    }
+
+    // residency guard: the pool sequence must hold cells [0, P)
+    // (idle-slot caching clears idle slots when a task launches unless --no-clear-idle)
+    const int n_pool = (int) in.pool_tokens->size();
+    if (n_pool < n_req || in.pool_pos_min != 0 || in.pool_pos_max < (llama_pos) (n_req - 1)) {
+        POLYKV_LOG(LOG_WRN, in, "poly-kv-pool: pool slot %d not resident to %d (tokens %d, pos [%d, %d]) - "
+                   "skipping share, full reprocess (boot with --no-clear-idle)\n",
+                   id_pool, n_req - 1, n_pool, (int) in.pool_pos_min, (int) in.pool_pos_max);
+        out.status = "not_resident";
+        return d;
+    }
+
+    // the pool's cached tokens [0, P) must be this prompt's first P tokens
+    const size_t n_common = in.pool_tokens->get_common_prefix(*in.tokens);
+    if (n_common < (size_t) n_req) {
+        out.common = (int32_t) n_common;
+        POLYKV_LOG(LOG_WRN, in, "poly-kv-pool: pool slot %d holds different tokens: common prefix %zu < %d requested - "
+                   "skipping share, full reprocess\n", id_pool, n_common, n_req);
+        out.status = "mismatch";
+        return d;
+    }
+
+    d.n_share = n_req;
+    return d;
+}
+
+const char * polykv_share_kv(const polykv_share_input & in, int32_t n, const common_memory & mem, bool kv_unified) {
+    const char * status = nullptr;
+
+    mem.seq_rm(in.id_slot, -1, -1);
+
+    if (kv_unified) {
+        // same stream: the cells [0, P) get this sequence id added, no data is copied
+        mem.seq_cp(in.pool_slot, in.id_slot, 0, n);
+        status = "hit";
+    } else {
+        // one stream per slot: only whole-sequence copies between streams are supported (a partial
+        // range aborts), so copy the pool's whole stream and drop what lies beyond P
+        mem.seq_cp(in.pool_slot, in.id_slot, -1, -1);
+        mem.seq_rm(in.id_slot, n, -1);
+        status = "copied";
+    }
+
+    // the sequence must now hold exactly [0, P)
+    auto * llama_mem = llama_get_memory(mem.ctx_tgt);
+    const llama_pos own_min = llama_memory_seq_pos_min(llama_mem, in.id_slot);
+    const llama_pos own_max = llama_memory_seq_pos_max(llama_mem, in.id_slot);
+    if (own_min != 0 || own_max != (llama_pos) (n - 1)) {
+        POLYKV_LOG(LOG_ERR, in, "poly-kv-pool: shared sequence has pos [%d, %d], expected [0, %d] - dropping it, full reprocess\n",
+                   (int) own_min, (int) own_max, n - 1);
+        mem.seq_rm(in.id_slot, -1, -1);
+        return nullptr;
+    }
+
+    return status;
+}
+
+void polykv_share_record(server_metrics & metrics, const server_shared_prefix_outcome & out) {
+    metrics.polykv_n_requests++;
+    if (out.auto_kind == "pool") {
+        metrics.polykv_n_auto++;
+    }
+    metrics.polykv_n_status[out.status]++;
+    if (out.is_share()) {
+        metrics.polykv_n_hits++;
+        metrics.polykv_n_shared_tokens += out.shared;
+    } else {
+        metrics.polykv_n_misses++;
+    }
+}
+
+server_shared_prefix_outcome polykv_share_run(polykv_share_input in, bool kv_unified, const common_memory & mem,
+                                              server_prompt & prompt, int32_t & n_shared, int32_t * pool_n_shared,
+                                              int & n_past, server_metrics & metrics) {
+    if (in.pool_tokens != nullptr) {
+        auto * llama_mem = llama_get_memory(mem.ctx_tgt);
+        in.pool_pos_min = llama_memory_seq_pos_min(llama_mem, in.pool_slot);
+        in.pool_pos_max = llama_memory_seq_pos_max(llama_mem, in.pool_slot);
+    }
+
+    polykv_share_decision d = polykv_share_decide(in, n_past);
+    auto & out = d.outcome;
+
+    if (d.n_share > 0) {
+        const int32_t n_req = d.n_share;
+
+        const char * status = polykv_share_kv(in, n_req, mem, kv_unified);
+
+        if (kv_unified && pool_n_shared != nullptr) {
+            // the pool's cells [0, P) now also belong to this slot's sequence
+            *pool_n_shared = std::max(*pool_n_shared, n_req);
+        }
+
+        if (status == nullptr) {
+            prompt.clear();
+            n_shared = 0;
+            n_past   = 0;
+            out.status = "unsupported";
+            out.reason = "shared sequence failed verification";
+        } else {
+            n_shared = kv_unified ? n_req : 0;
+
+            // mirror the token bookkeeping, as server_slot::copy_state_to() does
+            server_tokens shared = in.tokens->clone();
+            shared.keep_first(n_req);
+            prompt.tokens = std::move(shared);
+            prompt.checkpoints.clear(); // they described this slot's previous KV
+
+            n_past = n_req;
+
+            // [TAG_PROMPT_LOGITS] will recompute the last token if the whole prompt was shared
+            out.shared = n_past == (int) in.tokens->size() ? n_past - 1 : n_past;
+
+            POLYKV_LOG(LOG_INF, in, "poly-kv-pool: shared %d-token prefix from slot %d (%s, n_past -> %d)\n", n_req, in.pool_slot, status, n_past);
+            out.status = status;
+        }
+    }
+
+    polykv_share_record(metrics, out);
+
+    return out;
+}
+
+server_shared_prefix_outcome polykv_share_final(const server_shared_prefix_outcome & slot_outcome, const task_params & params,
+                                                server_metrics & metrics) {
+    server_shared_prefix_outcome out = slot_outcome;
+    if (out.status.empty() && params.shared_pool_slot >= 0) {
+        // the task ended before its prompt was processed (e.g. empty prompt)
+        out.pool_slot = params.shared_pool_slot;
+        out.requested = params.shared_prefix_given ? params.shared_prefix_n_tokens : 0;
+        out.requested_given = params.shared_prefix_given;
+        out.auto_kind = params.shared_prefix_given ? "" : "prefix";
+        out.status    = "skipped";
+
+        polykv_share_record(metrics, out);
+    }
+    return out;
+}
+
+json polykv_add_shared_prefix(json res, const server_task_result_cmpl_final & result) {
+    // requests that set shared_pool_slot get "shared_prefix" at the top level of the response object;
+    // in a stream, in the last chunk. Nothing is added for any other request.
+    if (!result.shared_prefix.opted_in()) {
+        return res;
+    }
+    switch (result.res_type) {
+        case TASK_RESPONSE_TYPE_NONE:
+        case TASK_RESPONSE_TYPE_OAI_CMPL:
+        case TASK_RESPONSE_TYPE_OAI_CHAT:
+            if (res.is_object()) {
+                res["shared_prefix"] = result.shared_prefix.to_json();
+            } else if (res.is_array() && !res.empty() && res.back().is_object()) {
+                res.back()["shared_prefix"] = result.shared_prefix.to_json();
+            }
+            break;
+        default:
+            break; // other response formats have a fixed schema: the outcome is logged and counted only
+    }
+    return res;
+}
+
+int32_t polykv_json_int32(const json & v, int64_t min, int64_t max) {
+    if (!v.is_number_integer()) {
+        throw std::invalid_argument("Value must be an integer, but got " + v.dump());
+    }
+    // compare as double first: an integer beyond int64 would wrap in get<long long>()
+    const double d = v.get<double>();
+    if (!(d >= (double) min && d <= (double) max) || v.get<long long>() < min || v.get<long long>() > max) {
+        throw std::invalid_argument("Value must be between " + std::to_string(min) + " <= value <= " + std::to_string(max) + ", but got " + v.dump());
+    }
+    return (int32_t) v.get<long long>();
+}
+
+void polykv_write_metrics(const server_metrics & metrics, std::ostream & prometheus) {
+    // default off: upstream's text exactly unless --pool-slots is given or a request has opted in
+    if (!metrics.polykv_enabled && metrics.polykv_n_requests == 0) {
+        return;
+    }
+
+    struct item {
+        const char * name;
+        const char * description;
+        double       value;
+    };
+
+    const item counters[] = {
+        {
+            "polykv_share_requests_total",
+            "polykv: requests that set shared_pool_slot",
+            (double) metrics.polykv_n_requests
+        }, {
+            "polykv_share_hits_total",
+            "polykv: requests that took their prefix KV from the pool slot (status hit or copied)",
+            (double) metrics.polykv_n_hits
+        }, {
+            "polykv_share_misses_total",
+            "polykv: requests that set shared_pool_slot but took no KV from the pool slot",
+            (double) metrics.polykv_n_misses
+        }, {
+            "polykv_share_auto_total",
+            "polykv: requests that shared from a pool chosen by --pool-auto (also in polykv_share_requests_total)",
+            (double) metrics.polykv_n_auto
+        }, {
+            "polykv_shared_tokens_total",
+            "polykv: prompt tokens whose KV came from a pool slot instead of being computed",
+            (double) metrics.polykv_n_shared_tokens
+        },
+    };
+
+    // the same lines as to_metrics()'s add_items("counter", ...)
+    for (const auto & it : counters) {
+        prometheus << "# HELP llamacpp:" << it.name << " " << it.description << "\n"
+                   << "# TYPE llamacpp:" << it.name << " " << "counter"      << "\n"
+                   << "llamacpp:"        << it.name << " " << it.value       << "\n";
+    }
+
+    if (!metrics.polykv_n_status.empty()) {
+        prometheus << "# HELP llamacpp:polykv_share_outcomes_total polykv: requests per shared_prefix status\n"
+                   << "# TYPE llamacpp:polykv_share_outcomes_total counter\n";
+        for (const auto & it : metrics.polykv_n_status) {
+            prometheus << "llamacpp:polykv_share_outcomes_total{status=\"" << it.first << "\"} " << it.second << "\n";
+        }
+    }
+}
+
+void polykv_origin_update(polykv_cells_origin & origin, bool is_pool, const std::string & salt,
+                          const std::vector<common_adapter_lora_info> & lora, int id_slot, int & n_past) {
+    if (n_past > 0) {
+        const bool salt_same = origin.salt_ok && origin.salt == salt;
+        const bool lora_same = origin.lora_ok && are_lora_equal(origin.lora, lora);
+        if (!salt_same || !lora_same) {
+            if (is_pool) {
+                LOG_INF("slot %12.*s: id %2d | task -1 | poly-kv-pool: pool cells were computed under another %s - recomputing the prompt (n_past %d -> 0)\n",
+                        12, "polykv_origin", id_slot, !salt_same ? "cache_salt" : "LoRA set", n_past);
+                n_past = 0;
+            } else {
+                // upstream's own cache reuse keeps the cells [0, n_past): this slot's cells now have mixed origins
+                origin.salt_ok = origin.salt_ok && salt_same;
+                origin.lora_ok = origin.lora_ok && lora_same;
+                return;
+            }
+        }
+    }
+    origin.salt    = salt;
+    origin.salt_ok = true;
+    origin.lora    = lora;
+    origin.lora_ok = true;
+}
+
+int polykv_auto_pool(const std::vector<polykv_pool_candidate> & pools, const server_tokens & tokens,
+                     const std::string & salt, int32_t min_tokens) {
+    int best = -1;
+    int best_n = -1;
+    bool best_busy = true;
+    const int n_max = (int) tokens.size() - 1;
+    for (const auto & p : pools) {
+        if (p.tokens == nullptr || p.origin == nullptr || !p.origin->salt_ok || p.origin->salt != salt) {
+            continue;
+        }
+        const int n = std::min<int>((int) p.tokens->get_common_prefix(tokens), n_max);
+        if (n > best_n || (n == best_n && best_busy && !p.busy)) {
+            best = p.id;
+            best_n = n;
+            best_busy = p.busy;
+        }
+    }
+    return best_n >= std::max<int32_t>(min_tokens, 1) ? best : -1;
+}
+
+void polykv_check_schedulable(const task_params & params, int id_slot, const common_params & params_base) {
+    const int n_slots = params_base.n_parallel;
+    const auto is_reserved = [&](int id) {
+        return std::find(params_base.pool_slots.begin(), params_base.pool_slots.end(), id) != params_base.pool_slots.end();
+    };
+    const int n_unreserved = n_slots - (int) params_base.pool_slots.size();
+
+    if (!params_base.pool_slots.empty() && params.n_cmpl > n_unreserved) {
+        throw std::invalid_argument("n_cmpl = " + std::to_string(params.n_cmpl) + " completions need as many unreserved slots, but only " +
+                                    std::to_string(n_unreserved) + " of " + std::to_string(n_slots) +
+                                    " slots are not reserved by --pool-slots: the request could never be scheduled");
+    }
+
+    if (id_slot == -1 && params.shared_pool_slot >= 0) {
+        // the slots an unpinned sharer may run on: not reserved, and not its own pool (with more than one slot)
+        int n_eligible = 0;
+        for (int id = 0; id < n_slots; id++) {
+            if (!is_reserved(id) && !(id == params.shared_pool_slot && n_slots > 1)) {
+                n_eligible++;
+            }
+        }
+        if (n_eligible == 0) {
+            throw std::invalid_argument("shared_pool_slot = " + std::to_string(params.shared_pool_slot) +
+                                        ": an unpinned request that shares from it can run on no slot (the others are reserved by --pool-slots): "
+                                        "the request could never be scheduled; pin it with id_slot");
+        }
+    }
+}
+
+void polykv_check_pool_slot(int32_t id, const common_params & params_base) {
+    if (id < 0 || params_base.pool_slots.empty()) {
+        return;
+    }
+    if (std::find(params_base.pool_slots.begin(), params_base.pool_slots.end(), id) == params_base.pool_slots.end()) {
+        std::string ids;
+        for (const int32_t p : params_base.pool_slots) {
+            ids += (ids.empty() ? "" : ",") + std::to_string(p);
+        }
+        throw std::invalid_argument("slot " + std::to_string(id) + " is not a pool slot: with --pool-slots only the reserved slots (" + ids + ") can be shared from");
+    }
+}
+
+std::string polykv_json_salt(const json & v) {
+    if (!v.is_string()) {
+        throw std::invalid_argument("Value must be a string of 1 to 256 characters, but got " + v.dump());
+    }
+    const std::string s = v.get<std::string>();
+    size_t n_chars = 0;
+    for (const unsigned char c : s) {
+        n_chars += (c & 0xC0) != 0x80; // UTF-8: count the bytes that start a character
+    }
+    if (n_chars < 1 || n_chars > 256) {
+        throw std::invalid_argument("Value must be a string of 1 to 256 characters, but got " + std::to_string(n_chars) + " characters");
+    }
+    return s;
+}
+
+// the CPU backend's entry points of patch 0076, by name: the server does not link ggml-cpu itself
+static void * polykv_cpu_proc(const char * name) {
+    ggml_backend_reg_t reg = ggml_backend_reg_by_name("CPU");
+    return reg ? ggml_backend_reg_get_proc_address(reg, name) : nullptr;
+}
+
+bool polykv_shared_decode_init(const common_params & params_base) {
+    auto set = (void (*)(bool)) polykv_cpu_proc("ggml_backend_cpu_polykv_set_shared_decode");
+    if (!set) {
+        if (params_base.polykv_shared_decode) {
+            SRV_ERR("%s", "--shared-decode: this build's CPU backend has no shared-prefix decode path\n");
+            return false;
+        }
+        return true;
+    }
+    set(params_base.polykv_shared_decode);
+    if (params_base.polykv_shared_decode) {
+        auto kv_ok = [](ggml_type t) { return t == GGML_TYPE_F16 || t == GGML_TYPE_Q8_0; };
+        if (params_base.flash_attn_type == LLAMA_FLASH_ATTN_TYPE_DISABLED ||
+            !kv_ok(params_base.cache_type_k) || !kv_ok(params_base.cache_type_v)) {
+            SRV_WRN("%s", "--shared-decode: needs flash attention and f16/q8_0 KV; attention keeps upstream's kernel\n");
+        } else {
+            SRV_INF("%s", "polykv: --shared-decode on: decode batches of 2-63 tokens score shared KV tiles once per KV head\n");
+        }
+    }
+    return true;
+}
+
+json polykv_shared_decode_state() {
+    auto get   = (bool (*)(void)) polykv_cpu_proc("ggml_backend_cpu_polykv_get_shared_decode");
+    auto stats = (void (*)(uint64_t *)) polykv_cpu_proc("ggml_backend_cpu_polykv_shared_decode_stats");
+    if (!get || !stats) {
+        return json(nullptr);
+    }
+    uint64_t st[4] = {0, 0, 0, 0};
+    stats(st);
+    return json {
+        {"enabled",       get()},
+        {"ops",           st[0]},
+        {"tiles_shared",  st[1]},
+        {"tiles_private", st[2]},
+        {"tiles_skipped", st[3]},
+    };
+}
+
+void polykv_add_props(json & props, const common_params & params_base, const polykv_pool_files * files) {
+    if (params_base.polykv_shared_decode) {
+        props["polykv_shared_decode"] = polykv_shared_decode_state();
+    }
+    if (params_base.pool_slots.empty()) {
+        return;
+    }
+    props["polykv"] = json {
+        {"pool_slots",           params_base.pool_slots},
+        {"pool_auto",            params_base.pool_auto},
+        {"pool_auto_min_tokens", params_base.pool_auto_min_tokens},
+        {"pool_files",           files ? files->identity() : json(nullptr)},
+    };
+}
+
+void polykv_shared_prefix_per_choice(json & results) {
+    if (!results.is_array() || results.size() < 2) {
+        return;
+    }
+    for (auto & r : results) {
+        if (r.is_object() && r.contains("shared_prefix") && r.contains("choices") && r.at("choices").is_array() && !r.at("choices").empty()) {
+            r["choices"][0]["shared_prefix"] = r.at("shared_prefix");
+            r.erase("shared_prefix");
+        }
+    }
+}

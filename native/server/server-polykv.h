@@ -1,0 +1,166 @@
+#pragma once
+
+// polykv shared KV prefix: a request that sets shared_pool_slot takes the KV of its first
+// shared_prefix_n_tokens prompt tokens from that slot (the pool) instead of computing them.
+// The code lives here; upstream's server files only call it (server_slot and server_context
+// stay private to server-context.cpp, so what they know is passed in explicitly).
+
+#include "server-common.h" // json, server_tokens, server_metrics
+
+#include <cstdint>
+#include <ostream>
+#include <string>
+#include <vector>
+
+struct server_prompt;
+struct server_task_result_cmpl_final;
+struct task_params;
+
+// what happened to a request's shared_pool_slot / shared_prefix_n_tokens
+// reported as "shared_prefix" in the final response of requests that set shared_pool_slot >= 0
+struct server_shared_prefix_outcome {
+    int32_t     pool_slot = -1; // -1: the request did not opt in, nothing is reported
+    int32_t     requested = 0;  // shared_prefix_n_tokens as sent
+    bool        requested_given = true; // false: P was not given (reported as null), the server computed it
+    std::string auto_kind;      // "prefix" (P computed), "pool" (pool and P chosen by --pool-auto), "" (both given)
+    int32_t     shared    = 0;  // prompt tokens whose KV came from the pool slot and were not computed
+    int32_t     common    = -1; // on "mismatch": number of leading tokens the pool slot does have in common
+    std::string status;         // see docs: hit, copied, own_cache, not_resident, mismatch, salt_mismatch, pool_busy, self, unsupported, no_prefix, skipped
+    std::string reason;         // on "unsupported": why
+
+    bool opted_in() const { return pool_slot >= 0; }
+    bool is_share() const { return status == "hit" || status == "copied"; }
+
+    json to_json() const;
+};
+
+// what the decision needs to know about the task, its slot, the pool slot and the server
+struct polykv_share_input {
+    int id_slot = -1; // the slot running the task (also for the log lines)
+    int id_task = -1; // for the log lines
+
+    int32_t pool_slot = -1; // task.params.shared_pool_slot
+    int32_t requested = 0;  // task.params.shared_prefix_n_tokens
+    bool    auto_n    = false; // P not given: share the longest common prefix of the pool's tokens and the prompt
+    bool    auto_pool = false; // the pool was chosen by --pool-auto (implies auto_n)
+    int32_t auto_min  = 0;     // auto_n on a named pool: a common prefix shorter than this (and than the pool's
+                               // tokens) is a "mismatch", not a share of a few tokens (--pool-auto-min-tokens)
+    bool    salt_differs = false; // the pool's cells were computed under another cache_salt (or salts are mixed)
+
+    const server_tokens * tokens      = nullptr; // the task's prompt
+    const server_tokens * pool_tokens = nullptr; // the pool slot's cached tokens; nullptr: no such slot
+
+    // configurations where the pool's cells [0, P) are not exactly what this slot would compute, or where
+    // they cannot be taken over safely (reported as "unsupported" with a reason, checked in this order)
+    bool not_completion    = false; // not a completion or infill task
+    bool multimodal        = false; // a multimodal context, or a prompt with media
+    bool no_partial_seq_rm = false; // memory without partial sequence removal (recurrent/hybrid)
+    bool swa               = false; // sliding-window attention
+    bool speculative       = false; // speculative decoding (or a draft context)
+    bool ctx_shift         = false; // --context-shift
+    bool lora_differs      = false; // LoRA adapters differ from the pool slot's (or aLoRA)
+
+    bool      pool_busy    = false; // the pool slot is processing a task: its cells can change
+    llama_pos pool_pos_min = -1;    // the pool sequence's positions (polykv_share_run() reads them)
+    llama_pos pool_pos_max = -1;
+};
+
+struct polykv_share_decision {
+    server_shared_prefix_outcome outcome; // pool_slot and requested set; status set if refused
+    int32_t n_share = 0;                  // > 0: share the pool's cells [0, n_share); status is set by the share
+};
+
+// What computed a slot's cached cells: the cache_salt and LoRA set of the tasks that wrote them (patch 0074).
+// Updated when a task's prompt starts on the slot (polykv_origin_update); sharers compare with it.
+struct polykv_cells_origin {
+    std::string salt;    // "" = unsalted
+    bool salt_ok = true; // false: cells computed under different salts (a non-reserved slot that reused its cache)
+    std::vector<common_adapter_lora_info> lora;
+    bool lora_ok = true; // false: cells computed under different LoRA sets or scales
+};
+
+// A task's prompt starts on a slot whose cache matched n_past tokens. For a reserved pool (is_pool) whose cells
+// were computed under another salt or LoRA set, n_past becomes 0 (the pool recomputes its prompt under the new
+// one); for another slot the origin is marked mixed instead (upstream's own cache reuse is left alone). Then the
+// origin is the task's salt and LoRA set.
+void polykv_origin_update(polykv_cells_origin & origin, bool is_pool, const std::string & salt,
+                          const std::vector<common_adapter_lora_info> & lora, int id_slot, int & n_past);
+
+// --pool-auto: a reserved pool a request may share from automatically
+struct polykv_pool_candidate {
+    int                         id     = -1;
+    const server_tokens *       tokens = nullptr;
+    const polykv_cells_origin * origin = nullptr;
+    bool                        busy   = false;
+};
+
+// The candidate with the longest common prefix with the prompt among those whose salt equals the request's
+// (ties: an idle pool, then the lowest id), if that prefix (capped at n_prompt - 1) is at least min_tokens; else -1.
+int polykv_auto_pool(const std::vector<polykv_pool_candidate> & pools, const server_tokens & tokens,
+                     const std::string & salt, int32_t min_tokens);
+
+// Request checks made when the tasks are created (HTTP 400 with the message, nothing queued): a request the
+// scheduler could never place (n_cmpl larger than the unreserved slots; an unpinned sharer whose only
+// eligible slots are reserved or its own pool) would otherwise wait forever.
+void polykv_check_schedulable(const task_params & params, int id_slot, const common_params & params_base);
+
+// shared_pool_slot's value check beyond its range: with --pool-slots only reserved slots are sources.
+void polykv_check_pool_slot(int32_t id, const common_params & params_base);
+
+// cache_salt: a string of 1..256 characters, else std::invalid_argument.
+std::string polykv_json_salt(const json & v);
+
+// /props: "polykv": {"pool_slots": [...], "pool_auto": bool, "pool_auto_min_tokens": N, "pool_files": {...}} when
+// --pool-slots is given ("pool_files": what a pool file must match, polykv_pool_files::identity(), patch 0075).
+class polykv_pool_files;
+void polykv_add_props(json & props, const common_params & params_base, const polykv_pool_files * files);
+
+// shared-prefix decode attention (0076): turns the CPU backend's path on or off as --shared-decode
+// says (found by name in the backend registry); false if it was asked for and is not there
+bool polykv_shared_decode_init(const common_params & params_base);
+
+// /props "polykv_shared_decode": whether it is on and the CPU backend's counters
+json polykv_shared_decode_state();
+
+// A multi-result OAI response (prompt array, n > 1) merges the results' choices into one object: each choice
+// then carries its own result's "shared_prefix" (moved from the result's top level).
+void polykv_shared_prefix_per_choice(json & results);
+
+// Decides whether the task may take cells [0, P) from the pool, given n_past after the normal cache
+// matching. Exact or refused: only if the pool slot is idle, holds cells [0, P) and its cached tokens
+// [0, P) are the task's first P tokens. Changes nothing; logs a refusal ("poly-kv-pool: ...").
+polykv_share_decision polykv_share_decide(const polykv_share_input & in, int n_past);
+
+// Puts the pool's cells [0, n) into the slot's sequence (with unified KV by adding the sequence id to
+// them, no data copied: "hit"; with one stream per slot by copying the whole pool stream, since a partial
+// cross-stream copy aborts, and trimming it: "copied") and checks the sequence now holds exactly [0, n).
+// Returns the status, or nullptr if the check failed (logged; the slot's sequence is then removed).
+const char * polykv_share_kv(const polykv_share_input & in, int32_t n, const common_memory & mem, bool kv_unified);
+
+// Counts one outcome in the polykv counters of server_metrics.
+void polykv_share_record(server_metrics & metrics, const server_shared_prefix_outcome & out);
+
+// The three above, for one task when its prompt starts: reads the pool's positions, decides, shares,
+// mirrors the token bookkeeping in the slot's prompt, records. On a share n_past becomes P and n_shared
+// (server_slot::polykv_n_shared, cells that must not be shifted) is P with unified KV, else 0;
+// *pool_n_shared is raised to P on a hit. On a refusal only the metrics change.
+server_shared_prefix_outcome polykv_share_run(polykv_share_input in, bool kv_unified, const common_memory & mem,
+                                              server_prompt & prompt, int32_t & n_shared, int32_t * pool_n_shared,
+                                              int & n_past, server_metrics & metrics);
+
+// The outcome to report when an opted-in task sends its final response: the slot's outcome, or
+// "skipped" (and recorded) if the task ended before its prompt was processed (e.g. empty prompt).
+server_shared_prefix_outcome polykv_share_final(const server_shared_prefix_outcome & slot_outcome, const task_params & params,
+                                                server_metrics & metrics);
+
+// res (the final response's JSON) with "shared_prefix" at its top level (in a stream: in its last chunk)
+// if the request opted in and the response format has a free schema; otherwise res unchanged.
+json polykv_add_shared_prefix(json res, const server_task_result_cmpl_final & result);
+
+// A request field that must be an integer in [min, max]: anything else (a float, a string, a boolean, a value
+// out of range) throws std::invalid_argument, which the schema reports as a 400 naming the field.
+// (field_num's own conversion would truncate 1.5 and wrap values beyond INT32.)
+int32_t polykv_json_int32(const json & v, int64_t min, int64_t max);
+
+// The polykv counters in Prometheus text format, as server_task_result_metrics::to_metrics() writes its own.
+void polykv_write_metrics(const server_metrics & metrics, std::ostream & prometheus);

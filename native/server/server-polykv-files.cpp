@@ -15,10 +15,14 @@
 #include <fstream>
 #include <stdexcept>
 
+#include <random>
+
 #ifdef _WIN32
 #include <process.h>
 #define polykv_getpid _getpid
 #else
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #define polykv_getpid getpid
 #endif
@@ -26,8 +30,13 @@
 namespace {
 
 constexpr char     POLYKV_MAGIC[8]       = { 'P', 'K', 'V', 'P', 'F', 'X', '\0', '\1' };
-constexpr int      POLYKV_FORMAT         = 2;
+constexpr int      POLYKV_FORMAT         = 3;
 constexpr uint32_t POLYKV_MAX_HEADER     = 256u << 20; // a header holds the token list as JSON: 256 MiB is ~20M tokens
+constexpr size_t   POLYKV_MAC_BYTES      = 32;         // HMAC-SHA256 trailer
+constexpr size_t   POLYKV_KEY_BYTES      = 32;
+constexpr char     POLYKV_KEY_FILE[]     = ".polykv-pool.key";
+// the one refusal a request gets when its cache_salt is not the pool's: nothing about the file or the pool
+constexpr char     POLYKV_SALT_REFUSAL[] = "the pool file does not match this request";
 
 // ---- sha256 (FIPS 180-4), small and portable: used for the model file, token lists and states ----------------
 
@@ -89,7 +98,7 @@ struct sha256_ctx {
         n_buf = n;
     }
 
-    std::string hex() {
+    std::array<uint8_t, 32> digest() {
         const uint64_t bits = n_total * 8;
         const uint8_t  pad  = 0x80;
         const uint8_t  zero = 0;
@@ -102,52 +111,77 @@ struct sha256_ctx {
             len[i] = (uint8_t) (bits >> (56 - 8*i));
         }
         update(len, 8);
+        std::array<uint8_t, 32> out;
+        for (int i = 0; i < 8; ++i) {
+            for (int b = 0; b < 4; ++b) {
+                out[4*i + b] = (uint8_t) (h[i] >> (24 - 8*b));
+            }
+        }
+        return out;
+    }
+
+    std::string hex() {
         static const char * digits = "0123456789abcdef";
         std::string out;
-        for (uint32_t v : h) {
-            for (int s = 28; s >= 0; s -= 4) {
-                out += digits[(v >> s) & 0xf];
-            }
+        for (uint8_t v : digest()) {
+            out += digits[v >> 4];
+            out += digits[v & 0xf];
         }
         return out;
     }
 };
 
-// CRC-32 (the zlib / IEEE polynomial, as Python's zlib.crc32), slice-by-8: the state's checksum. A state is tens of
-// MB, and sha256 in portable C++ would take longer than the restore itself; a CRC catches truncation and damage
-// (nothing here is keyed, so no hash would stop a forger who can write the save directory anyway).
-struct crc32_tables {
-    uint32_t t[8][256];
-    crc32_tables() {
-        for (uint32_t i = 0; i < 256; ++i) {
-            uint32_t c = i;
-            for (int k = 0; k < 8; ++k) {
-                c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
-            }
-            t[0][i] = c;
+// HMAC-SHA256 (RFC 2104) over several pieces: the pool file's authentication with the cache's secret key
+struct hmac_sha256 {
+    sha256_ctx inner;
+    uint8_t    okey[64];
+
+    explicit hmac_sha256(const std::vector<uint8_t> & key) {
+        uint8_t k[64] = {};
+        if (key.size() > 64) {
+            sha256_ctx h;
+            h.update(key.data(), key.size());
+            const auto d = h.digest();
+            memcpy(k, d.data(), d.size());
+        } else if (!key.empty()) {
+            memcpy(k, key.data(), key.size());
         }
-        for (uint32_t i = 0; i < 256; ++i) {
-            for (int k = 1; k < 8; ++k) {
-                t[k][i] = (t[k-1][i] >> 8) ^ t[0][t[k-1][i] & 0xff];
-            }
+        uint8_t ikey[64];
+        for (int i = 0; i < 64; ++i) {
+            ikey[i] = k[i] ^ 0x36;
+            okey[i] = k[i] ^ 0x5c;
         }
+        inner.update(ikey, sizeof(ikey));
+    }
+
+    void update(const void * data, size_t n) { inner.update(data, n); }
+
+    std::array<uint8_t, 32> digest() {
+        const auto d = inner.digest();
+        sha256_ctx outer;
+        outer.update(okey, sizeof(okey));
+        outer.update(d.data(), d.size());
+        return outer.digest();
     }
 };
 
-uint32_t crc32(const void * data, size_t n) {
-    static const crc32_tables tab;
-    const auto * p = static_cast<const uint8_t *>(data);
-    uint32_t     c = 0xFFFFFFFFu;
-    for (; n >= 8; p += 8, n -= 8) {
-        const uint32_t lo = c ^ ((uint32_t) p[0] | (uint32_t) p[1] << 8 | (uint32_t) p[2] << 16 | (uint32_t) p[3] << 24);
-        const uint32_t hi = (uint32_t) p[4] | (uint32_t) p[5] << 8 | (uint32_t) p[6] << 16 | (uint32_t) p[7] << 24;
-        c = tab.t[7][lo & 0xff] ^ tab.t[6][(lo >> 8) & 0xff] ^ tab.t[5][(lo >> 16) & 0xff] ^ tab.t[4][lo >> 24] ^
-            tab.t[3][hi & 0xff] ^ tab.t[2][(hi >> 8) & 0xff] ^ tab.t[1][(hi >> 16) & 0xff] ^ tab.t[0][hi >> 24];
+std::string to_hex(const uint8_t * p, size_t n) {
+    static const char * digits = "0123456789abcdef";
+    std::string out;
+    for (size_t i = 0; i < n; ++i) {
+        out += digits[p[i] >> 4];
+        out += digits[p[i] & 0xf];
     }
-    for (; n > 0; ++p, --n) {
-        c = tab.t[0][(c ^ *p) & 0xff] ^ (c >> 8);
+    return out;
+}
+
+// compares in time that does not depend on where the bytes differ
+bool same_bytes(const uint8_t * a, const uint8_t * b, size_t n) {
+    uint8_t d = 0;
+    for (size_t i = 0; i < n; ++i) {
+        d |= a[i] ^ b[i];
     }
-    return c ^ 0xFFFFFFFFu;
+    return d == 0;
 }
 
 std::string sha256_file(const std::string & path) {
@@ -164,18 +198,29 @@ std::string sha256_file(const std::string & path) {
     return f.bad() ? "" : h.hex();
 }
 
-std::string tokens_sha256(const llama_tokens & tokens) {
-    // little-endian int32, as polykv_py.llama.state.tokens_sha256 packs them ("<i")
+// little-endian int32, as polykv_py.llama.state.tokens_sha256 packs them ("<i")
+std::vector<uint8_t> tokens_le32(const llama_tokens & tokens) {
     std::vector<uint8_t> raw(tokens.size() * 4);
     for (size_t i = 0; i < tokens.size(); ++i) {
         const uint32_t v = (uint32_t) tokens[i];
         raw[4*i] = (uint8_t) v; raw[4*i + 1] = (uint8_t) (v >> 8); raw[4*i + 2] = (uint8_t) (v >> 16); raw[4*i + 3] = (uint8_t) (v >> 24);
     }
+    return raw;
+}
+
+std::string tokens_sha256(const llama_tokens & tokens) {
+    const auto raw = tokens_le32(tokens);
     return polykv_sha256_hex(raw.data(), raw.size());
 }
 
-std::string salt_sha256(const std::string & salt) {
-    return salt.empty() ? "" : polykv_sha256_hex(salt.data(), salt.size());
+// what /slots shows of a salted pool's tokens: HMAC-SHA256 keyed with the salt (only a holder of the salt can
+// check a guess; polykv_py.pools.tokens_mac computes the same)
+std::string tokens_mac(const llama_tokens & tokens, const std::string & salt) {
+    hmac_sha256 h(std::vector<uint8_t>(salt.begin(), salt.end()));
+    const auto  raw = tokens_le32(tokens);
+    h.update(raw.data(), raw.size());
+    const auto d = h.digest();
+    return to_hex(d.data(), d.size());
 }
 
 json opt_hex(const std::string & s) {
@@ -223,6 +268,232 @@ std::string polykv_sha256_hex(const void * data, size_t n) {
     return h.hex();
 }
 
+namespace {
+
+#ifndef _WIN32
+// a regular file opened without following a symbolic link, or -1 with errno set (ELOOP: it is a link)
+int open_regular(const std::string & path, struct stat & st) {
+    const int fd = open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0) {
+        return -1;
+    }
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        close(fd);
+        errno = EINVAL;
+        return -1;
+    }
+    return fd;
+}
+
+bool read_all(int fd, void * buf, size_t n) {
+    auto * p = static_cast<char *>(buf);
+    while (n > 0) {
+        const ssize_t r = ::read(fd, p, n);
+        if (r <= 0) {
+            if (r < 0 && errno == EINTR) {
+                continue;
+            }
+            return false;
+        }
+        p += r;
+        n -= (size_t) r;
+    }
+    return true;
+}
+
+bool write_all(int fd, const void * buf, size_t n) {
+    const auto * p = static_cast<const char *>(buf);
+    while (n > 0) {
+        const ssize_t w = ::write(fd, p, n);
+        if (w <= 0) {
+            if (w < 0 && errno == EINTR) {
+                continue;
+            }
+            return false;
+        }
+        p += w;
+        n -= (size_t) w;
+    }
+    return true;
+}
+#endif
+
+// The cache directory must be this user's and writable by no one else: anyone who can write it can replace files
+std::string check_dir(const std::string & dir) {
+#ifdef _WIN32
+    GGML_UNUSED(dir);
+    return "";
+#else
+    struct stat st;
+    if (lstat(dir.c_str(), &st) != 0) {
+        return "cannot stat the pool directory " + dir + ": " + strerror(errno);
+    }
+    if (!S_ISDIR(st.st_mode)) {
+        return "the pool directory " + dir + " is not a directory (a symbolic link is refused)";
+    }
+    if (st.st_uid != geteuid()) {
+        return string_format("the pool directory %s belongs to uid %u, not to this server's user (uid %u)", dir.c_str(),
+                             (unsigned) st.st_uid, (unsigned) geteuid());
+    }
+    if ((st.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
+        return string_format("the pool directory %s is writable by its group or by others (mode %03o): chmod go-w it",
+                             dir.c_str(), (unsigned) (st.st_mode & 0777));
+    }
+    return "";
+#endif
+}
+
+// The cache's secret (POLYKV_KEY_FILE in the directory): read it, or create it (0600) if there is none.
+// polykv_py.llama.state reads and creates the same file, so the engine and the server authenticate each other's files.
+std::vector<uint8_t> load_or_create_key(const std::string & dir, std::string & error) {
+    std::vector<uint8_t> key(POLYKV_KEY_BYTES);
+#ifdef _WIN32
+    GGML_UNUSED(dir);
+    error = "pool files need a POSIX system (the key file's owner and mode are checked)";
+    return {};
+#else
+    const std::string path = dir + POLYKV_KEY_FILE;
+    for (int attempt = 0; attempt < 2; ++attempt) {
+        struct stat st;
+        const int   fd = open_regular(path, st);
+        if (fd >= 0) {
+            const bool ok = st.st_uid == geteuid() && (st.st_mode & 077) == 0 && (size_t) st.st_size == POLYKV_KEY_BYTES &&
+                            read_all(fd, key.data(), key.size());
+            close(fd);
+            if (!ok) {
+                error = "the pool key " + path + " must be a " + std::to_string(POLYKV_KEY_BYTES) +
+                        "-byte file of this server's user with mode 0600";
+                return {};
+            }
+            return key;
+        }
+        if (errno != ENOENT) {
+            error = "cannot read the pool key " + path + ": " + strerror(errno);
+            return {};
+        }
+        std::random_device rd;
+        for (auto & b : key) {
+            b = (uint8_t) rd();
+        }
+        const int wfd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+        if (wfd < 0) {
+            if (errno == EEXIST) {
+                continue; // another process created it first: read theirs
+            }
+            error = "cannot create the pool key " + path + ": " + strerror(errno);
+            return {};
+        }
+        const bool ok = write_all(wfd, key.data(), key.size()) && fsync(wfd) == 0;
+        close(wfd);
+        if (!ok) {
+            unlink(path.c_str());
+            error = "cannot write the pool key " + path;
+            return {};
+        }
+        SRV_INF("poly-kv-pool: created the pool key %s\n", path.c_str());
+        return key;
+    }
+    error = "cannot create the pool key " + path;
+    return {};
+#endif
+}
+
+// Settings that change what the KV of the same tokens holds, beyond the model file and the KV types: a file saved
+// under others is another pool. Only values set on the command line appear (the defaults give {}), so the engine,
+// which has none of them, writes {} too.
+json kv_settings(const common_params & params) {
+    json s = json::object();
+    if (params.rope_freq_base != 0.0f)  { s["rope_freq_base"]  = params.rope_freq_base; }
+    if (params.rope_freq_scale != 0.0f) { s["rope_freq_scale"] = params.rope_freq_scale; }
+    if (params.rope_scaling_type != LLAMA_ROPE_SCALING_TYPE_UNSPECIFIED) { s["rope_scaling_type"] = (int) params.rope_scaling_type; }
+    if (params.yarn_ext_factor != -1.0f)  { s["yarn_ext_factor"]  = params.yarn_ext_factor; }
+    if (params.yarn_attn_factor != -1.0f) { s["yarn_attn_factor"] = params.yarn_attn_factor; }
+    if (params.yarn_beta_fast != -1.0f)   { s["yarn_beta_fast"]   = params.yarn_beta_fast; }
+    if (params.yarn_beta_slow != -1.0f)   { s["yarn_beta_slow"]   = params.yarn_beta_slow; }
+    if (params.yarn_orig_ctx != 0)        { s["yarn_orig_ctx"]    = params.yarn_orig_ctx; }
+    json overrides = json::array();
+    for (const auto & o : params.kv_overrides) {
+        if (o.key[0] == '\0') {
+            continue; // the list's terminator
+        }
+        json v;
+        switch (o.tag) {
+            case LLAMA_KV_OVERRIDE_TYPE_INT:   v = o.val_i64; break;
+            case LLAMA_KV_OVERRIDE_TYPE_FLOAT: v = o.val_f64; break;
+            case LLAMA_KV_OVERRIDE_TYPE_BOOL:  v = o.val_bool; break;
+            case LLAMA_KV_OVERRIDE_TYPE_STR:   v = std::string(o.val_str, strnlen(o.val_str, sizeof(o.val_str))); break;
+        }
+        overrides.push_back(json::array({ json(std::string(o.key, strnlen(o.key, sizeof(o.key)))), v }));
+    }
+    if (!overrides.empty()) {
+        s["override_kv"] = overrides;
+    }
+    json cvecs = json::array();
+    for (const auto & cv : params.control_vectors) {
+        cvecs.push_back({ { "file", cv.fname }, { "sha256", sha256_file(cv.fname) }, { "strength", cv.strength } });
+    }
+    if (!cvecs.empty()) {
+        s["control_vectors"] = { { "vectors", cvecs }, { "layer_start", params.control_vector_layer_start },
+                                 { "layer_end", params.control_vector_layer_end } };
+    }
+    return s;
+}
+
+// The state's cells, before anything is loaded: one stream of this layout holds exactly one cell per position
+// 0..n-1, in order, each of one sequence (llama_context::state_seq_get_data: u32 magic, i32 seq_id, then
+// llama_kv_cache::state_write for a single sequence: u32 n_stream, then per stream u32 cell_count and per cell
+// i32 pos, u32 n_seq_id, [12-byte ext], i32 seq_id, then the stream's data).
+// Only the first non-empty stream can be walked (its data's size is not in the stream), so a state with cells in
+// two streams is refused.
+std::string check_state_cells(const std::vector<char> & state, size_t n_tokens, int n_stream_here) {
+    const auto * p   = reinterpret_cast<const uint8_t *>(state.data());
+    const size_t n   = state.size();
+    auto         u32 = [&](size_t off) {
+        return (uint32_t) p[off] | (uint32_t) p[off + 1] << 8 | (uint32_t) p[off + 2] << 16 | (uint32_t) p[off + 3] << 24;
+    };
+    if (n < 12) {
+        return "the state is too short";
+    }
+    if (u32(0) != 0xAF143CD8u) { // llama_context's io_magic
+        return "the state does not start with llama's state magic";
+    }
+    const uint32_t n_stream = u32(8);
+    if ((int) n_stream != n_stream_here) {
+        return string_format("the state has %u KV streams, this server %d", n_stream, n_stream_here);
+    }
+    size_t off = 12;
+    for (uint32_t s = 0; s < n_stream; ++s) {
+        if (off + 4 > n) {
+            return "the state is too short";
+        }
+        const uint32_t cell_count = u32(off);
+        off += 4;
+        if (cell_count == 0) {
+            continue;
+        }
+        if (cell_count != n_tokens) {
+            return string_format("the state holds %u cells for %zu tokens", cell_count, n_tokens);
+        }
+        for (size_t stride : { (size_t) 12, (size_t) 24 }) { // without and with the cell ext (M-RoPE, PLE)
+            if (off + stride * cell_count > n) {
+                continue;
+            }
+            bool ok = true;
+            for (uint32_t i = 0; i < cell_count && ok; ++i) {
+                const size_t c = off + stride * i;
+                ok = u32(c) == i && u32(c + 4) == 1;
+            }
+            if (ok) {
+                return "";
+            }
+        }
+        return "the state's cells are not one cell per position 0..n-1 of one sequence";
+    }
+    return "the state holds no cells";
+}
+
+} // namespace
+
 void polykv_pool_files::init(const common_params & params, const llama_model * model, llama_context * ctx) {
     if (params.pool_slots.empty() || model == nullptr || ctx == nullptr) {
         return;
@@ -246,6 +517,17 @@ void polykv_pool_files::init(const common_params & params, const llama_model * m
         { "type_k",   ggml_type_name(params.cache_type_k) },
         { "type_v",   ggml_type_name(params.cache_type_v) },
     };
+    settings_json_ = kv_settings(params);
+
+    if (!params.slot_save_path.empty()) {
+        dir_error_ = check_dir(params.slot_save_path);
+        if (dir_error_.empty()) {
+            key_ = load_or_create_key(params.slot_save_path, dir_error_);
+        }
+        if (!dir_error_.empty()) {
+            SRV_WRN("poly-kv-pool: pool files are refused: %s\n", dir_error_.c_str());
+        }
+    }
 
     const std::string path = params.model.path;
     model_sha256_ = std::async(std::launch::async, [path]() {
@@ -267,22 +549,70 @@ json polykv_pool_files::identity() const {
     json model = model_json_;
     model["sha256"] = opt_hex(model_sha256_.get());
     return {
-        { "format", POLYKV_FORMAT },
-        { "model",  model },
-        { "kv",     kv_json_ },
+        { "format",   POLYKV_FORMAT },
+        { "model",    model },
+        { "kv",       kv_json_ },
+        { "settings", settings_json_ },
     };
 }
 
-json polykv_pool_files::save(llama_context * ctx, llama_seq_id seq_id, const llama_tokens & tokens,
-                             const polykv_cells_origin & origin, const std::string & path) const {
+void polykv_pool_files::require_usable() const {
     if (!enabled()) {
         throw std::runtime_error("pool files need --pool-slots");
+    }
+    if (!dir_error_.empty()) {
+        throw std::runtime_error(dir_error_);
+    }
+    if (key_.size() != POLYKV_KEY_BYTES) {
+        throw std::runtime_error("pool files need --slot-save-path");
+    }
+}
+
+std::string polykv_pool_files::salt_mac(const std::string & salt) const {
+    if (salt.empty()) {
+        return "";
+    }
+    hmac_sha256 h(key_);
+    h.update("polykv-salt", 12); // with its NUL: a domain of its own
+    h.update(salt.data(), salt.size());
+    const auto d = h.digest();
+    return to_hex(d.data(), d.size());
+}
+
+std::string polykv_pool_files::file_salt_mac(const std::string & path) const {
+#ifdef _WIN32
+    GGML_UNUSED(path);
+    return "";
+#else
+    try {
+        const polykv_pool_file f = read_verified(path);
+        return f.salt_mac;
+    } catch (const std::exception &) {
+        return "";
+    }
+#endif
+}
+
+json polykv_pool_files::save(llama_context * ctx, llama_seq_id seq_id, const llama_tokens & tokens, const polykv_cells_origin & origin,
+                             const json & expect, const std::string & path) const {
+    require_usable();
+    // the salt first, and with no detail: a caller without the pool's salt learns nothing and overwrites nothing
+    if (!origin.salt_ok || origin.salt != expect.value("cache_salt", std::string())) {
+        throw std::runtime_error(POLYKV_SALT_REFUSAL);
+    }
+    const std::string my_salt_mac = salt_mac(origin.salt);
+    {
+        // an existing pool file of another salt is not ours to replace
+        const std::string theirs = file_salt_mac(path);
+        if (!theirs.empty() && theirs != my_salt_mac) {
+            throw std::runtime_error(POLYKV_SALT_REFUSAL);
+        }
     }
     if (tokens.empty()) {
         throw std::runtime_error("the pool holds no tokens (prime it first)");
     }
-    if (!origin.salt_ok || !origin.lora_ok) {
-        throw std::runtime_error("the pool's cells were computed under mixed cache_salt values or LoRA sets");
+    if (!origin.lora_ok) {
+        throw std::runtime_error("the pool's cells were computed under mixed LoRA sets");
     }
     for (const auto & la : origin.lora) {
         if (la.scale != 0.0f) {
@@ -312,82 +642,128 @@ json polykv_pool_files::save(llama_context * ctx, llama_seq_id seq_id, const lla
     header["n_tokens"]      = tokens.size();
     header["tokens_sha256"] = tokens_sha256(tokens);
     header["tokens"]        = tokens;
-    header["salt_sha256"]   = opt_hex(salt_sha256(origin.salt));
+    header["salt_mac"]      = opt_hex(my_salt_mac);
     header["state_bytes"]   = state.size();
-    header["state_crc32"]   = crc32(state.data(), state.size());
+    header["mac"]           = "hmac-sha256";
     header["created_by"]    = "llama-server (polykv)";
     const std::string head  = header.dump();
 
-    // write "<path>.part.<pid>", flush it to disk, rename it over path: a reader sees the old file or the whole new one
+    const uint32_t n_head = (uint32_t) head.size();
+    const uint8_t  len[4] = { (uint8_t) n_head, (uint8_t) (n_head >> 8), (uint8_t) (n_head >> 16), (uint8_t) (n_head >> 24) };
+    hmac_sha256    mac(key_);
+    mac.update(POLYKV_MAGIC, sizeof(POLYKV_MAGIC));
+    mac.update(len, 4);
+    mac.update(head.data(), head.size());
+    mac.update(state.data(), state.size());
+    const auto tag = mac.digest();
+
+#ifdef _WIN32
+    throw std::runtime_error("pool files need a POSIX system");
+#else
+    // write "<path>.part.<pid>" (created here, never through a link), flush it to disk, rename it over path:
+    // a reader sees the old file or the whole new one
     const std::string tmp = path + ".part." + std::to_string((long long) polykv_getpid());
-    {
-        FILE * f = fopen(tmp.c_str(), "wb");
-        if (f == nullptr) {
-            throw std::runtime_error("cannot write " + tmp + ": " + strerror(errno));
-        }
-        const uint32_t n_head = (uint32_t) head.size();
-        const uint8_t  len[4] = { (uint8_t) n_head, (uint8_t) (n_head >> 8), (uint8_t) (n_head >> 16), (uint8_t) (n_head >> 24) };
-        bool ok = fwrite(POLYKV_MAGIC, 1, sizeof(POLYKV_MAGIC), f) == sizeof(POLYKV_MAGIC)
-               && fwrite(len, 1, 4, f) == 4
-               && fwrite(head.data(), 1, head.size(), f) == head.size()
-               && fwrite(state.data(), 1, state.size(), f) == state.size()
-               && fflush(f) == 0;
-#ifndef _WIN32
-        ok = ok && fsync(fileno(f)) == 0;
-#endif
-        ok = (fclose(f) == 0) && ok;
-        if (!ok || std::rename(tmp.c_str(), path.c_str()) != 0) {
-            const std::string err = strerror(errno);
-            std::remove(tmp.c_str());
-            throw std::runtime_error("cannot write " + path + ": " + err);
-        }
+    unlink(tmp.c_str()); // a leftover of this pid (unlink removes a link itself, never its target)
+    const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd < 0) {
+        throw std::runtime_error("cannot write " + tmp + ": " + strerror(errno));
     }
+    bool ok = write_all(fd, POLYKV_MAGIC, sizeof(POLYKV_MAGIC)) && write_all(fd, len, 4) &&
+              write_all(fd, head.data(), head.size()) && write_all(fd, state.data(), state.size()) &&
+              write_all(fd, tag.data(), tag.size()) && fsync(fd) == 0;
+    const int err_write = errno;
+    ok = (close(fd) == 0) && ok;
+    if (!ok || std::rename(tmp.c_str(), path.c_str()) != 0) {
+        const std::string err = strerror(ok ? errno : err_write);
+        unlink(tmp.c_str());
+        throw std::runtime_error("cannot write " + path + ": " + err);
+    }
+#endif
 
     return {
         { "format",        POLYKV_FORMAT },
         { "n_tokens",      tokens.size() },
         { "tokens_sha256", header["tokens_sha256"] },
-        { "salt_sha256",   header["salt_sha256"] },
+        { "salted",        !origin.salt.empty() },
         { "state_bytes",   state.size() },
-        { "file_bytes",    sizeof(POLYKV_MAGIC) + 4 + head.size() + state.size() },
+        { "file_bytes",    sizeof(POLYKV_MAGIC) + 4 + head.size() + state.size() + POLYKV_MAC_BYTES },
     };
 }
 
-polykv_pool_file polykv_pool_files::read(const std::string & path, const json & expect, uint32_t n_ctx_slot) const {
-    if (!enabled()) {
-        throw std::runtime_error("pool files need --pool-slots");
-    }
-    std::ifstream f(path, std::ios::binary | std::ios::ate);
-    if (!f) {
-        throw std::runtime_error("no such file");
-    }
+polykv_pool_file polykv_pool_files::read_verified(const std::string & path) const {
+    require_usable();
     polykv_pool_file out;
-    out.n_bytes = (size_t) f.tellg();
-    f.seekg(0);
-
-    char    magic[sizeof(POLYKV_MAGIC)] = {};
-    uint8_t len[4]                      = {};
-    if (!f.read(magic, sizeof(magic)) || memcmp(magic, POLYKV_MAGIC, sizeof(magic)) != 0 || !f.read((char *) len, 4)) {
+#ifdef _WIN32
+    GGML_UNUSED(path);
+    throw std::runtime_error("pool files need a POSIX system");
+#else
+    struct stat st;
+    const int   fd = open_regular(path, st);
+    if (fd < 0) {
+        if (errno == ENOENT) {
+            throw std::runtime_error("no such file");
+        }
+        throw std::runtime_error(errno == ELOOP ? "not a regular file (a symbolic link is refused)"
+                                 : errno == EINVAL ? "not a regular file"
+                                                   : std::string("cannot read the file: ") + strerror(errno));
+    }
+    out.n_bytes = (size_t) st.st_size;
+    std::vector<char> raw(out.n_bytes);
+    const bool ok = read_all(fd, raw.data(), raw.size());
+    close(fd);
+    if (!ok) {
+        throw std::runtime_error("cannot read the file");
+    }
+#endif
+    const size_t n_fixed = sizeof(POLYKV_MAGIC) + 4;
+    if (out.n_bytes < n_fixed || memcmp(raw.data(), POLYKV_MAGIC, sizeof(POLYKV_MAGIC)) != 0) {
         throw std::runtime_error("not a polykv pool file (bad magic)");
     }
-    const uint32_t n_head = (uint32_t) len[0] | (uint32_t) len[1] << 8 | (uint32_t) len[2] << 16 | (uint32_t) len[3] << 24;
-    if (n_head > POLYKV_MAX_HEADER || n_head > out.n_bytes - sizeof(magic) - 4) {
+    if (out.n_bytes < n_fixed + POLYKV_MAC_BYTES) {
+        throw std::runtime_error("authentication failed: the file is too short to hold its MAC");
+    }
+    // authenticate everything before reading any of it: only a holder of this cache's key wrote this file
+    hmac_sha256 mac(key_);
+    mac.update(raw.data(), out.n_bytes - POLYKV_MAC_BYTES);
+    const auto tag = mac.digest();
+    if (!same_bytes(tag.data(), reinterpret_cast<const uint8_t *>(raw.data()) + out.n_bytes - POLYKV_MAC_BYTES, tag.size())) {
+        throw std::runtime_error("authentication failed: the file was not written with this pool cache's key, or was changed since");
+    }
+    const auto *   b      = reinterpret_cast<const uint8_t *>(raw.data()) + sizeof(POLYKV_MAGIC);
+    const uint32_t n_head = (uint32_t) b[0] | (uint32_t) b[1] << 8 | (uint32_t) b[2] << 16 | (uint32_t) b[3] << 24;
+    if (n_head > POLYKV_MAX_HEADER || n_head > out.n_bytes - n_fixed - POLYKV_MAC_BYTES) {
         throw std::runtime_error("damaged file (header length beyond the file)");
     }
-    std::string head(n_head, '\0');
-    f.read(head.data(), n_head);
-    json header;
     try {
-        header = json::parse(head);
+        out.header = json::parse(std::string(raw.begin() + n_fixed, raw.begin() + n_fixed + n_head));
     } catch (const std::exception &) {
         throw std::runtime_error("damaged file (the header is not JSON)");
     }
-    if (!header.is_object() || !header.contains("format") || header["format"] != POLYKV_FORMAT) {
+    if (!out.header.is_object() || !out.header.contains("format") || out.header["format"] != POLYKV_FORMAT) {
         throw std::runtime_error(string_format("unsupported file format %s (this server reads format %d)",
-            header.is_object() && header.contains("format") ? header["format"].dump().c_str() : "?", POLYKV_FORMAT));
+            out.header.is_object() && out.header.contains("format") ? out.header["format"].dump().c_str() : "?", POLYKV_FORMAT));
     }
+    out.salt_mac = json_str(out.header, "salt_mac");
+    const size_t n_state = out.n_bytes - n_fixed - n_head - POLYKV_MAC_BYTES;
+    if (!out.header.contains("state_bytes") || out.header["state_bytes"] != n_state) {
+        throw std::runtime_error(string_format("damaged file (%zu state bytes, the header says %s)", n_state,
+                                               out.header.value("state_bytes", json()).dump().c_str()));
+    }
+    out.state.assign(raw.begin() + n_fixed + n_head, raw.begin() + n_fixed + n_head + n_state);
+    return out;
+}
 
-    // the model, then the KV layout
+polykv_pool_file polykv_pool_files::read(const std::string & path, const json & expect, uint32_t n_ctx_slot) const {
+    polykv_pool_file out = read_verified(path);
+    const json & header = out.header;
+
+    // the salt first, and with no detail: a caller without the pool's salt learns nothing of the file
+    if (out.salt_mac != salt_mac(expect.value("cache_salt", std::string()))) {
+        throw std::runtime_error(POLYKV_SALT_REFUSAL);
+    }
+    out.salted = !out.salt_mac.empty();
+
+    // the model, then the KV layout and the settings that change KV
     const json mine = identity();
     if (mine["model"]["sha256"].is_null()) {
         throw std::runtime_error("the model file could not be read to fingerprint it");
@@ -398,6 +774,10 @@ polykv_pool_file polykv_pool_files::read(const std::string & path, const json & 
     if (!header.contains("kv") || !same_fields(header["kv"], mine["kv"])) {
         throw std::runtime_error("saved with another KV layout (differs in " + differing_keys(mine["kv"], header.value("kv", json())) +
                                  "; here: " + mine["kv"].dump() + ", in the file: " + header.value("kv", json()).dump() + ")");
+    }
+    if (!header.contains("settings") || header["settings"] != mine["settings"]) {
+        throw std::runtime_error("saved under other KV settings (RoPE/YaRN, --override-kv or control vectors; here: " +
+                                 mine["settings"].dump() + ", in the file: " + header.value("settings", json()).dump() + ")");
     }
 
     // the tokens: well-formed, in the vocabulary, what the caller expects
@@ -434,24 +814,10 @@ polykv_pool_file polykv_pool_files::read(const std::string & path, const json & 
         throw std::runtime_error(string_format("the file holds %zu tokens, the slot's context is %u", out.tokens.size(), n_ctx_slot));
     }
 
-    // the salt: a salted pool is restored only by a caller who knows its salt
-    out.salt_sha256 = json_str(header, "salt_sha256");
-    const std::string want = salt_sha256(expect.value("cache_salt", std::string()));
-    if (out.salt_sha256 != want) {
-        throw std::runtime_error(out.salt_sha256.empty() ? "the file holds an unsalted pool, the request gives a cache_salt"
-                                 : want.empty()          ? "the file holds a salted pool: give its cache_salt"
-                                                         : "the file was saved under another cache_salt");
-    }
-
-    // the state: its size and hash (a truncated or damaged file stops here)
-    const size_t n_state = out.n_bytes - sizeof(magic) - 4 - n_head;
-    if (!header.contains("state_bytes") || header["state_bytes"] != n_state) {
-        throw std::runtime_error(string_format("damaged file (%zu state bytes, the header says %s)", n_state, header.value("state_bytes", json()).dump().c_str()));
-    }
-    out.state.resize(n_state);
-    if (!f.read(out.state.data(), (std::streamsize) n_state) || !header.contains("state_crc32") ||
-        header["state_crc32"] != crc32(out.state.data(), n_state)) {
-        throw std::runtime_error("damaged file (state does not match its crc32)");
+    // the state's cells: one per position 0..n-1, one sequence (checked before anything is loaded)
+    const std::string cells = check_state_cells(out.state, out.tokens.size(), kv_json_.value("n_stream", 1));
+    if (!cells.empty()) {
+        throw std::runtime_error("damaged file (" + cells + ")");
     }
     return out;
 }
@@ -474,7 +840,7 @@ json polykv_pool_files::load(llama_context * ctx, llama_seq_id seq_id, const pol
         { "format",        POLYKV_FORMAT },
         { "n_tokens",      file.tokens.size() },
         { "tokens_sha256", file.tokens_sha256 },
-        { "salt_sha256",   opt_hex(file.salt_sha256) },
+        { "salted",        file.salted },
         { "state_bytes",   file.state.size() },
         { "resident",      true },
     };
@@ -538,15 +904,20 @@ json polykv_pool_state_json(llama_context * ctx, llama_seq_id seq_id, const serv
                             const polykv_cells_origin & origin, const polykv_pool_stats & stats, int n_sharers) {
     const llama_tokens tokens   = polykv_resident_tokens(ctx, seq_id, prompt);
     const bool         resident = !tokens.empty();
+    const bool         salted   = !origin.salt_ok || !origin.salt.empty();
     const int64_t      now      = ggml_time_us();
+    // a salted pool shows nothing of its tokens but a MAC keyed with its salt (docs/security.md)
+    json tokens_sha = resident && !salted ? json(tokens_sha256(tokens)) : json(nullptr);
+    json tokens_hm  = resident && salted && origin.salt_ok ? json(tokens_mac(tokens, origin.salt)) : json(nullptr);
     return {
-        { "n_tokens",        resident ? tokens.size() : 0 },
+        { "n_tokens",        salted ? json(nullptr) : json(resident ? tokens.size() : 0) },
         { "resident",        resident },
-        { "tokens_sha256",   resident ? json(tokens_sha256(tokens)) : json(nullptr) },
-        { "salt_sha256",     origin.salt_ok ? opt_hex(salt_sha256(origin.salt)) : json("mixed") },
+        { "salted",          origin.salt_ok ? json(salted) : json("mixed") },
+        { "tokens_sha256",   tokens_sha },
+        { "tokens_mac",      tokens_hm },
         { "hits",            stats.hits },
         { "sharers",         n_sharers },
         { "last_use_s_ago",  stats.t_last_use_us > 0 ? json((now - stats.t_last_use_us) / 1e6) : json(nullptr) },
-        { "restored_from",   stats.restored_from.empty() ? json(nullptr) : json(stats.restored_from) },
+        { "restored_from",   stats.restored_from.empty() || salted ? json(nullptr) : json(stats.restored_from) },
     };
 }

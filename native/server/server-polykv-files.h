@@ -3,15 +3,21 @@
 // polykv pool files (patch 0075): a reserved pool's KV saved to a verified file and restored from it.
 //
 // The container is the one polykv's in-process engine writes (polykv_py/llama/state.py), so a prefix saved by
-// either can be restored into the other:
+// either can be restored into the other (format 3):
 //
-//   "PKVPFX\0\1" (8 bytes) | u32 little-endian header length | UTF-8 JSON header | llama sequence state bytes
+//   "PKVPFX\0\1" (8 bytes) | u32 LE header length | UTF-8 JSON header | llama sequence state | HMAC-SHA256 (32 bytes)
 //
+// The MAC covers everything before it and is keyed with the cache's secret, ".polykv-pool.key" in the pool
+// directory (32 random bytes, mode 0600, created on first use by the server or the engine). The directory must
+// belong to the server's user and be writable by no one else, the key file too; files and keys are opened without
+// following links, and a save creates its "<name>.part.<pid>" with O_EXCL, flushes it and renames it over the name.
 // The header records the model (sha256 of the GGUF file and its shape), the KV layout (streams, K and V types),
-// the token list and its sha256, the sha256 of the pool's cache_salt (never the salt), and the size and CRC-32 of
-// the state. A restore checks all of it before the pool's KV is touched; only then is the pool cleared and the
-// state loaded (a load that fails leaves the pool empty, never half-loaded). A save writes "<name>.part.<pid>",
-// flushes it and renames it over the name, so a save killed midway never leaves a file a restore accepts.
+// the settings that change KV (RoPE/YaRN, --override-kv, control vectors), the token list and its sha256, a MAC of
+// the pool's cache_salt (keyed like the file: never the salt, nor a hash anyone could test guesses against), and
+// the state's size. A restore authenticates the file, then checks the salt (a mismatch is refused with no detail),
+// the model, the layout, the settings, the tokens, and that the state holds one cell per position 0..n-1 of one
+// sequence, before the pool's KV is touched; only then is the pool cleared and the state loaded (a load that fails
+// leaves the pool empty, never half-loaded).
 
 #include "server-common.h" // json, common_params, llama_tokens
 
@@ -31,9 +37,11 @@ struct polykv_pool_stats {
 
 // A verified pool file, read into memory; nothing in the KV cache has changed yet.
 struct polykv_pool_file {
+    json              header;
     llama_tokens      tokens;
     std::string       tokens_sha256;
-    std::string       salt_sha256; // "" = unsalted
+    std::string       salt_mac;       // "" = unsalted
+    bool              salted = false;
     std::vector<char> state;
     size_t            n_bytes = 0; // size of the file
 };
@@ -46,14 +54,15 @@ class polykv_pool_files {
 
     bool enabled() const { return model_ != nullptr; }
 
-    // {"format": 2, "model": {...}, "kv": {...}}: waits for the model hash; "model.sha256" is null if the file
-    // could not be read (then every save and restore is refused).
+    // {"format": 3, "model": {...}, "kv": {...}, "settings": {...}}: waits for the model hash; "model.sha256" is null
+    // if the file could not be read (then every save and restore is refused).
     json identity() const;
 
-    // Writes the sequence seq_id, which holds exactly tokens at positions [0, n), as a pool file (atomic).
-    // Throws std::runtime_error with the reason (nothing written then). Returns the "polykv" response object.
+    // Writes the sequence seq_id, which holds exactly tokens at positions [0, n), as a pool file (atomic), if the
+    // request's cache_salt (in expect) is the pool's and path holds no pool file of another salt. Throws
+    // std::runtime_error with the reason (nothing written then). Returns the "polykv" response object.
     json save(llama_context * ctx, llama_seq_id seq_id, const llama_tokens & tokens, const polykv_cells_origin & origin,
-              const std::string & path) const;
+              const json & expect, const std::string & path) const;
 
     // Reads and verifies a pool file against this server, the request's expectations (the "polykv" object of
     // polykv_slot_action_fields) and the slot's context size. Throws std::runtime_error naming the reason.
@@ -64,7 +73,15 @@ class polykv_pool_files {
     json load(llama_context * ctx, llama_seq_id seq_id, const polykv_pool_file & file) const;
 
   private:
+    void             require_usable() const;
+    polykv_pool_file read_verified(const std::string & path) const; // authenticated; nothing but the MAC checked
+    std::string      salt_mac(const std::string & salt) const;      // "" for no salt
+    std::string      file_salt_mac(const std::string & path) const; // "" if path holds no authentic pool file
+
     const llama_model *               model_ = nullptr;
+    std::vector<uint8_t>              key_;          // the cache's secret (empty: no --slot-save-path, or refused)
+    std::string                       dir_error_;    // why the pool directory or its key is refused ("" if not)
+    json                              settings_json_;
     std::shared_future<std::string>   model_sha256_; // "" if the file could not be read
     json                              model_json_;   // the fingerprint without the hash
     json                              kv_json_;      // {"n_stream", "type_k", "type_v"}

@@ -376,6 +376,11 @@ void polykv_origin_update(polykv_cells_origin & origin, bool is_pool, const std:
     origin.lora_ok = true;
 }
 
+void polykv_origin_forget(polykv_cells_origin & origin) {
+    origin.salt_ok = false;
+    origin.lora_ok = false;
+}
+
 int polykv_auto_pool(const std::vector<polykv_pool_candidate> & pools, const server_tokens & tokens,
                      const std::string & salt, int32_t min_tokens) {
     int best = -1;

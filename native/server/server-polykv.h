@@ -86,6 +86,10 @@ struct polykv_cells_origin {
 void polykv_origin_update(polykv_cells_origin & origin, bool is_pool, const std::string & salt,
                           const std::vector<common_adapter_lora_info> & lora, int id_slot, int & n_past);
 
+// The slot's cells came from upstream's host prompt cache (--cache-ram), which does not record the salt or LoRA
+// set that computed them: mark both unknown, so no share is taken from them until the slot recomputes from 0.
+void polykv_origin_forget(polykv_cells_origin & origin);
+
 // --pool-auto: a reserved pool a request may share from automatically
 struct polykv_pool_candidate {
     int                         id     = -1;

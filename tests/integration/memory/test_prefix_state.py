@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import shutil
 import struct
 from pathlib import Path
 
@@ -12,7 +15,7 @@ from memory_data import THREADS
 from polykv_py.engine import GenerationParams, SharedPrefixEngine
 from polykv_py.errors import StateError
 from polykv_py.llama import ContextParams, Model
-from polykv_py.llama.state import MAGIC
+from polykv_py.llama.state import KEY_FILE, MAC_BYTES, MAGIC, pool_key
 
 pytestmark = pytest.mark.integration
 
@@ -36,17 +39,21 @@ def saved(
     return path, first
 
 
-def _rewrite_header(src: Path, dst: Path, **changes: object) -> None:
-    raw = src.read_bytes()
+def _rewrite_header(src: Path, dst: Path, *, key: bytes | None = None, **changes: object) -> None:
+    """Copy a prefix file with header fields changed, MACed with ``key`` (None: no valid MAC, as a forger
+    without the directory's key would write it)."""
+    raw = src.read_bytes()[:-MAC_BYTES]
     (n,) = struct.unpack("<I", raw[len(MAGIC) : len(MAGIC) + 4])
     header = json.loads(raw[len(MAGIC) + 4 : len(MAGIC) + 4 + n])
-    for key, value in changes.items():
-        if key == "model_sha256":
+    for field, value in changes.items():
+        if field == "model_sha256":
             header["model"]["sha256"] = value
         else:
-            header[key] = value
+            header[field] = value
     new = json.dumps(header).encode()
-    dst.write_bytes(MAGIC + struct.pack("<I", len(new)) + new + raw[len(MAGIC) + 4 + n :])
+    body = MAGIC + struct.pack("<I", len(new)) + new + raw[len(MAGIC) + 4 + n :]
+    tag = hmac.new(key, body, hashlib.sha256).digest() if key else hashlib.sha256(body).digest()
+    dst.write_bytes(body + tag)
 
 
 def test_prefix_survives_a_fresh_context(
@@ -75,33 +82,42 @@ def test_wrong_token_list_is_refused(saved, model: Model, prefix_tokens: list[in
         assert eng.ctx.memory.seq_pos_max(0) == -1 and eng.prefix_tokens is None
 
 
-def test_other_model_is_refused(saved, model: Model, tmp_path: Path) -> None:
+def test_other_model_is_refused(saved, model: Model) -> None:
     path, _ = saved
-    other = tmp_path / "other.pkv"
-    _rewrite_header(path, other, model_sha256="0" * 64)
+    other = path.with_name("other-model.pkv")
+    _rewrite_header(path, other, key=pool_key(path.parent, create=False), model_sha256="0" * 64)
     with _engine(model) as eng, pytest.raises(StateError, match="another model"):
         eng.load_prefix(other)
 
 
 def test_damaged_or_foreign_files_are_refused(saved, model: Model, tmp_path: Path) -> None:
     path, _ = saved
+    key = pool_key(path.parent, create=False)
     raw = bytearray(path.read_bytes())
     raw[-100] ^= 0xFF
-    damaged = tmp_path / "damaged.pkv"
+    damaged = path.with_name("damaged.pkv")
     damaged.write_bytes(bytes(raw))
-    not_ours = tmp_path / "raw.bin"
+    not_ours = path.with_name("raw.bin")
     not_ours.write_bytes(b"GGSQ" + b"\0" * 100)
-    tampered = tmp_path / "tampered.pkv"
-    _rewrite_header(path, tampered, tokens=[1, 2, 3])
+    forged = path.with_name("forged.pkv")
+    _rewrite_header(path, forged, tokens=[1, 2, 3])  # no key: what someone who can only write the directory makes
+    tampered = path.with_name("tampered.pkv")
+    _rewrite_header(path, tampered, key=key, tokens=[1, 2, 3])  # a key holder's inconsistent file
+    elsewhere = tmp_path / "copy.pkv"  # the genuine file in a directory with no key
+    shutil.copy(path, elsewhere)
     with _engine(model) as eng:
-        with pytest.raises(StateError, match="damaged"):
-            eng.load_prefix(damaged)
+        for f in (damaged, forged):
+            with pytest.raises(StateError, match="authentication failed"):
+                eng.load_prefix(f)
         with pytest.raises(StateError, match="magic"):
             eng.load_prefix(not_ours)
         with pytest.raises(StateError, match="damaged"):
             eng.load_prefix(tampered)
+        with pytest.raises(StateError, match=f"no pool key \\({KEY_FILE}\\)"):
+            eng.load_prefix(elsewhere)
         with pytest.raises(StateError):
-            eng.load_prefix(tmp_path / "missing.pkv")
+            eng.load_prefix(path.with_name("missing.pkv"))
+        assert eng.ctx.memory.seq_pos_max(0) == -1
 
 
 def test_incompatible_contexts_are_refused(saved, model: Model, prefix_tokens: list[int]) -> None:

@@ -8,15 +8,18 @@
 // stdout; the pytest module (test_fattn_kernel.py) asserts the bounds.
 //
 // usage: polykv-fattn-check [--quick]
+//        polykv-fattn-check --bench [N] [n_kv] [threads]   ms per node, path off and on (default 16 4608 2)
 
 #include "ggml.h"
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
 
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <algorithm>
 #include <random>
 #include <string>
 #include <vector>
@@ -48,6 +51,7 @@ struct test_case {
     int DK, DV, n_head, n_head_kv, N, n_kv, threads;
     ggml_type kv_type;
     uint32_t seed;
+    std::string decline = ""; // a node the path must leave to upstream: softcap | alibi | sinks | kv_type | rows
 };
 
 // visibility of cell c to token i
@@ -96,6 +100,7 @@ std::vector<uint8_t> make_mask(const test_case & tc, std::mt19937 & rng) {
 }
 
 struct result {
+    double ms_off = 0, ms_on = 0; // --bench: median ms per node
     double err_off = 0, err_on = 0, on_vs_off = 0, err_avx2 = -1, err_scalar = -1;
     uint64_t ops = 0, shared = 0, priv = 0, skipped = 0;
     bool ran = false;
@@ -110,7 +115,7 @@ double max_abs(const std::vector<float> & a, const std::vector<double> & b) {
     return m;
 }
 
-result run_case(const test_case & tc, const cpu_switch & sw) {
+result run_case(const test_case & tc, const cpu_switch & sw, int bench_reps = 0) {
     std::mt19937 rng(tc.seed);
     std::normal_distribution<float> nd(0.0f, 1.0f);
 
@@ -160,7 +165,16 @@ result run_case(const test_case & tc, const cpu_switch & sw) {
     ggml_tensor * k = ggml_permute(ctx, k_raw, 0, 2, 1, 3);
     ggml_tensor * v = ggml_permute(ctx, v_raw, 0, 2, 1, 3);
     const float scale = 1.0f/std::sqrt((float) tc.DK);
-    ggml_tensor * fa = ggml_flash_attn_ext(ctx, q, k, v, mask, scale, 0.0f, 0.0f);
+    const float max_bias = tc.decline == "alibi" ? 8.0f : 0.0f;
+    const float softcap  = tc.decline == "softcap" ? 30.0f : 0.0f;
+    ggml_tensor * fa = ggml_flash_attn_ext(ctx, q, k, v, mask, scale, max_bias, softcap);
+    if (tc.decline == "sinks") {
+        ggml_tensor * sinks = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, tc.n_head);
+        for (int h = 0; h < tc.n_head; ++h) {
+            ((float *) sinks->data)[h] = nd(rng);
+        }
+        ggml_flash_attn_ext_add_sinks(fa, sinks);
+    }
 
     ggml_cgraph * gf = ggml_new_graph(ctx);
     ggml_build_forward_expand(gf, fa);
@@ -217,15 +231,38 @@ result run_case(const test_case & tc, const cpu_switch & sw) {
     sw.stats(after);
     const std::vector<float> on = output();
 
+    // (the reference knows no ALiBi, softcap or sinks: a declined node is only compared with upstream's)
     res.err_off = max_abs(off, ref);
     res.err_on  = max_abs(on, ref);
     std::vector<double> offd(off.begin(), off.end());
     res.on_vs_off = max_abs(on, offd);
+    if (!tc.decline.empty() && memcmp(on.data(), off.data(), on.size()*sizeof(float)) != 0) {
+        res.on_vs_off = std::max(res.on_vs_off, 1e-30); // not bit-identical
+    }
     res.ops     = after[0] - before[0];
     res.shared  = after[1] - before[1];
     res.priv    = after[2] - before[2];
     res.skipped = after[3] - before[3];
     res.ran = true;
+
+    // --bench: median of bench_reps computations per switch setting, alternating
+    if (bench_reps > 0) {
+        std::vector<double> t_off, t_on;
+        for (int r = 0; r < bench_reps; ++r) {
+            for (bool on : { false, true }) {
+                sw.set(on);
+                const auto t0 = std::chrono::steady_clock::now();
+                ggml_graph_compute_with_ctx(ctx, gf, tc.threads);
+                const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+                (on ? t_on : t_off).push_back(ms);
+            }
+        }
+        sw.set(false);
+        std::sort(t_off.begin(), t_off.end());
+        std::sort(t_on.begin(), t_on.end());
+        res.ms_off = t_off[t_off.size()/2];
+        res.ms_on  = t_on[t_on.size()/2];
+    }
 
 #if defined(POLYKV_FA_VARIANTS)
     memset(fa->data, 0, ggml_nbytes(fa));
@@ -247,11 +284,21 @@ result run_case(const test_case & tc, const cpu_switch & sw) {
 
 int main(int argc, char ** argv) {
     const bool quick = argc > 1 && std::string(argv[1]) == "--quick";
+    const bool bench = argc > 1 && std::string(argv[1]) == "--bench";
     ggml_cpu_init();
     cpu_switch sw;
     if (!sw.set || !sw.stats) {
         fprintf(stderr, "polykv-fattn-check: the CPU backend has no ggml_backend_cpu_polykv_* entry points (patch 0076 missing)\n");
         return 2;
+    }
+    if (bench) {
+        // the default model's heads (9 query, 3 KV, 64 wide) over a shared prefix, f16 KV
+        const int N = argc > 2 ? atoi(argv[2]) : 16, n_kv = argc > 3 ? atoi(argv[3]) : 4096 + 512;
+        const int threads = argc > 4 ? atoi(argv[4]) : 2;
+        const result r = run_case({ "prefix", 64, 64, 9, 3, N, n_kv, threads, GGML_TYPE_F16, 1 }, sw, 21);
+        printf("{\"N\": %d, \"n_kv\": %d, \"threads\": %d, \"ms_off\": %.3f, \"ms_on\": %.3f, \"on_over_off\": %.3f, "
+               "\"err_on\": %.3g}\n", N, n_kv, threads, r.ms_off, r.ms_on, r.ms_on / r.ms_off, r.err_on);
+        return 0;
     }
 
     std::vector<test_case> cases;
@@ -273,20 +320,28 @@ int main(int argc, char ** argv) {
     // the shape: the default model's heads over a 4k prefix, 16 agents, 2 threads
     cases.push_back({ "prefix", 64, 64, 9, 3, 16, 4096 + 512, 2, GGML_TYPE_F16, seed++ });
     cases.push_back({ "prefix", 64, 64, 9, 3, 2, 300, 2, GGML_TYPE_F16, seed++ });
+    // nodes the path must decline (switch on, upstream's kernel computes them, bit for bit as with it off)
+    cases.push_back({ "prefix", 64, 64, 9, 3, 16, 700, 2, GGML_TYPE_F16, seed++, "softcap" });
+    cases.push_back({ "prefix", 64, 64, 8, 8, 16, 700, 2, GGML_TYPE_F16, seed++, "alibi" });
+    cases.push_back({ "prefix", 64, 64, 9, 3, 16, 700, 2, GGML_TYPE_F16, seed++, "sinks" });
+    cases.push_back({ "prefix", 64, 64, 9, 3, 16, 700, 2, GGML_TYPE_Q4_0, seed++, "kv_type" });
+    cases.push_back({ "prefix", 64, 64, 9, 3, 16, 700, 2, GGML_TYPE_Q5_1, seed++, "kv_type" });
+    cases.push_back({ "prefix", 64, 64, 9, 3, 1, 700, 2, GGML_TYPE_F16, seed++, "rows" });
+    cases.push_back({ "prefix", 64, 64, 9, 3, 64, 700, 2, GGML_TYPE_F16, seed++, "rows" });
 
     int bad = 0;
     for (const test_case & tc : cases) {
         const result r = run_case(tc, sw);
-        printf("{\"layout\": \"%s\", \"DK\": %d, \"n_head\": %d, \"n_head_kv\": %d, \"N\": %d, \"n_kv\": %d, "
+        printf("{\"decline\": \"%s\", \"layout\": \"%s\", \"DK\": %d, \"n_head\": %d, \"n_head_kv\": %d, \"N\": %d, \"n_kv\": %d, "
                "\"threads\": %d, \"kv_type\": \"%s\", \"err_off\": %.3g, \"err_on\": %.3g, \"on_vs_off\": %.3g, "
                "\"err_avx2\": %.3g, \"err_scalar\": %.3g, \"ops\": %llu, \"tiles_shared\": %llu, "
                "\"tiles_private\": %llu, \"tiles_skipped\": %llu}\n",
-               tc.layout.c_str(), tc.DK, tc.n_head, tc.n_head_kv, tc.N, tc.n_kv, tc.threads,
+               tc.decline.c_str(), tc.layout.c_str(), tc.DK, tc.n_head, tc.n_head_kv, tc.N, tc.n_kv, tc.threads,
                ggml_type_name(tc.kv_type), r.err_off, r.err_on, r.on_vs_off, r.err_avx2, r.err_scalar,
                (unsigned long long) r.ops, (unsigned long long) r.shared, (unsigned long long) r.priv,
                (unsigned long long) r.skipped);
         fflush(stdout);
-        bad += r.ops != 1;
+        bad += tc.decline.empty() ? r.ops != 1 : (r.ops != 0 || r.on_vs_off != 0);
     }
     return bad ? 1 : 0;
 }

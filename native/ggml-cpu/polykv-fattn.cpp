@@ -14,6 +14,10 @@
 //
 // POLYKV_FA_CORE_ONLY builds only the computation (namespace POLYKV_FA_NS), so a test can compile
 // it again with other instruction sets (AVX2, none) and compare every variant on one machine.
+//
+// SIMD: ggml's fixed-width F32 vector macros (AVX-512, AVX2, AVX, SSE, NEON, ...). On ARM SVE and
+// RISC-V RVV those macros name sizeless types (no arrays of them, and a vector may be wider than
+// GGML_F32_EPR), so there the scalar code is compiled (POLYKV_FA_SIMD undefined).
 
 #include "polykv-fattn.h"
 
@@ -21,6 +25,10 @@
 #include "ggml-common.h"
 
 #include "vec.h"
+
+#if defined(GGML_SIMD) && !defined(__ARM_FEATURE_SVE) && !defined(__riscv_v_intrinsic)
+#define POLYKV_FA_SIMD 1
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -56,7 +64,9 @@ struct problem {
     float scale;
     char * dst; size_t nb1;
     // derived
-    int64_t Rg, Rp;       // rows of one group, padded
+    int64_t Rg, Rp;       // rows of one KV head (tokens x its query heads), padded
+    int64_t HG;           // KV heads per work item (their K/V rows of a cell are read together)
+    int64_t n_groups;     // ceil(n_head_kv / HG)
     int64_t chunk;        // cells per chunk (multiple of TILE)
     int64_t n_chunks;
     int64_t n_rows_total; // N * n_head * ne3
@@ -68,9 +78,21 @@ struct stats_delta {
 
 static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+// floats of one KV head's state in a work item: QT, Qr, ACC, M, S
+static inline int64_t head_floats(const problem & p) {
+    const int64_t a = ALIGN_F;
+    return round_up(p.DK*p.Rp, a) + round_up(p.Rp*p.DK, a) + round_up(p.Rp*p.DV, a) + 2*round_up(p.Rp, a);
+}
+
 static inline void set_chunking(problem & p, int nth) {
-    // about 4 chunks per thread so threads can even out, never below 4 tiles
-    const int64_t want = (p.n_kv + 4*nth - 1) / (4*nth);
+    // all KV heads in one work item (the mask tile is scanned once, a cell's K/V rows of all heads are
+    // one contiguous read), unless their state would pass 256 KiB of scratch per thread
+    const int64_t per_head = head_floats(p) + round_up(TILE*(p.DK + p.DV), ALIGN_F);
+    p.HG       = std::max<int64_t>(1, std::min<int64_t>(p.n_head_kv, (256*1024/4) / per_head));
+    p.n_groups = (p.n_head_kv + p.HG - 1) / p.HG;
+    // about 4 items per thread so threads can even out, never below 4 tiles per chunk
+    const int64_t want_chunks = std::max<int64_t>(1, (4*nth + p.ne3*p.n_groups - 1) / (p.ne3*p.n_groups));
+    const int64_t want = (p.n_kv + want_chunks - 1) / want_chunks;
     p.chunk    = std::max<int64_t>(4*TILE, round_up(want, TILE));
     p.n_chunks = (p.n_kv + p.chunk - 1) / p.chunk;
 }
@@ -78,17 +100,15 @@ static inline void set_chunking(problem & p, int nth) {
 // floats of scratch one thread needs
 static inline int64_t scratch_floats(const problem & p) {
     const int64_t a = ALIGN_F;
-    return round_up(p.DK*p.Rp, a)      // QT
-         + round_up(p.Rp*p.DK, a)      // Qr
-         + round_up(TILE*p.DK, a)      // Kf
-         + round_up(TILE*p.DV, a)      // Vf
-         + round_up(TILE*p.Rp, a)      // ST / P^T
-         + round_up(p.Rp*p.DV, a)      // ACC
-         + 6*round_up(p.Rp, a)         // M, S, mt, ms, sub, rs
-         + round_up(p.N*TILE, a)       // MK: mask values per token and cell
-         + 2*round_up(TILE, a)         // sc, list
-         + round_up(p.N, a)            // cnt
-         + a;                          // alignment of the base
+    return p.HG*head_floats(p)           // per KV head: QT, Qr, ACC, M, S
+         + round_up(p.HG*TILE*p.DK, a)   // Kf
+         + round_up(p.HG*TILE*p.DV, a)   // Vf
+         + 2*round_up(TILE*p.Rp, a)      // ST / P^T, MT (the tile's mask laid out as ST)
+         + 4*round_up(p.Rp, a)           // mt, ms, sub, rs
+         + round_up(p.N*TILE, a)         // MK: mask values per token and cell
+         + 2*round_up(TILE, a)           // sc, list
+         + round_up(p.N, a)              // cnt
+         + a;                            // alignment of the base
 }
 
 static inline int64_t partials_floats(const problem & p) {
@@ -127,7 +147,7 @@ static inline void row_to_f32(int kind, const char * src, float * dst, int64_t n
 static inline float dot_f32(const float * a, const float * b, int64_t n) {
     int64_t i = 0;
     float sum = 0.0f;
-#if defined(GGML_SIMD)
+#if defined(POLYKV_FA_SIMD)
     GGML_F32_VEC acc = GGML_F32_VEC_ZERO;
     for (; i + GGML_F32_EPR <= n; i += GGML_F32_EPR) {
         acc = GGML_F32_VEC_FMA(acc, GGML_F32_VEC_LOAD(a + i), GGML_F32_VEC_LOAD(b + i));
@@ -147,7 +167,7 @@ static inline float dot_f32(const float * a, const float * b, int64_t n) {
 // y += x*s
 static inline void axpy_f32(float * y, const float * x, float s, int64_t n) {
     int64_t i = 0;
-#if defined(GGML_SIMD)
+#if defined(POLYKV_FA_SIMD)
     const GGML_F32_VEC vs = GGML_F32_VEC_SET1(s);
     for (; i + GGML_F32_EPR <= n; i += GGML_F32_EPR) {
         GGML_F32_VEC_STORE(y + i, GGML_F32_VEC_FMA(GGML_F32_VEC_LOAD(y + i), GGML_F32_VEC_LOAD(x + i), vs));
@@ -190,7 +210,7 @@ static inline void exp_sub_acc(float * y, const float * x, const float * sub, fl
 // C[M x Ncols] += A * B, A(i, kk) = A[i*a_is + kk*a_ks], B row-major [K x Ncols] (ldb),
 // C row-major (ldc); Ncols a multiple of the vector width.
 
-#if defined(GGML_SIMD)
+#if defined(POLYKV_FA_SIMD)
 #if defined(__AVX512F__)
 static constexpr int UK_RM = 4, UK_RN = 4;
 #elif defined(__AVX2__) || defined(__AVX__)
@@ -254,7 +274,7 @@ static inline void gemm_rows(float * C, int64_t ldc, const float * A, int64_t a_
 
 static void gemm(float * C, int64_t ldc, const float * A, int64_t a_is, int64_t a_ks,
                  const float * B, int64_t ldb, int64_t M, int64_t K, int64_t Ncols) {
-#if defined(GGML_SIMD)
+#if defined(POLYKV_FA_SIMD)
     int64_t i = 0;
     for (; i + UK_RM <= M; i += UK_RM) {
         gemm_rows<UK_RM>(C + i*ldc, ldc, A + i*a_is, a_is, a_ks, B, ldb, K, Ncols);
@@ -276,37 +296,127 @@ static void gemm(float * C, int64_t ldc, const float * A, int64_t a_is, int64_t 
 
 // ---------------------------------------------------------------------------- one work item
 
+struct head_state {
+    float * QT, * Qr, * ACC, * M, * S;
+};
+
 struct scratch {
-    float * QT, * Qr, * Kf, * Vf, * ST, * ACC;
-    float * M, * S, * mt, * ms, * sub, * rs;
+    float * Kf, * Vf, * ST, * MT;
+    float * mt, * ms, * sub, * rs;
     float * MK, * sc;
     int32_t * list, * cnt;
+    float * heads; // HG x head_floats
 };
 
 static scratch carve(const problem & p, float * base) {
     float * w = (float *) (((uintptr_t) base + 63) & ~(uintptr_t) 63);
     auto take = [&](int64_t n) { float * r = w; w += round_up(n, ALIGN_F); return r; };
     scratch s;
-    s.QT  = take(p.DK*p.Rp);
-    s.Qr  = take(p.Rp*p.DK);
-    s.Kf  = take(TILE*p.DK);
-    s.Vf  = take(TILE*p.DV);
+    s.Kf  = take(p.HG*TILE*p.DK);
+    s.Vf  = take(p.HG*TILE*p.DV);
     s.ST  = take(TILE*p.Rp);
-    s.ACC = take(p.Rp*p.DV);
-    s.M   = take(p.Rp); s.S = take(p.Rp); s.mt = take(p.Rp);
-    s.ms  = take(p.Rp); s.sub = take(p.Rp); s.rs = take(p.Rp);
+    s.MT  = take(TILE*p.Rp);
+    s.mt  = take(p.Rp); s.ms = take(p.Rp); s.sub = take(p.Rp); s.rs = take(p.Rp);
     s.MK  = take(p.N*TILE);
     s.sc  = take(TILE);
     s.list = (int32_t *) take(TILE);
     s.cnt  = (int32_t *) take(p.N);
+    s.heads = w;
     return s;
 }
 
-// item = (stream i3, KV head g, chunk ch); writes the chunk's partials of the group's rows
+static head_state head_of(const problem & p, const scratch & s, int64_t gl) {
+    float * w = s.heads + gl*head_floats(p);
+    auto take = [&](int64_t n) { float * r = w; w += round_up(n, ALIGN_F); return r; };
+    head_state h;
+    h.QT  = take(p.DK*p.Rp);
+    h.Qr  = take(p.Rp*p.DK);
+    h.ACC = take(p.Rp*p.DV);
+    h.M   = take(p.Rp);
+    h.S   = take(p.Rp);
+    return h;
+}
+
+// one shared tile of one KV head: all its rows at once (two GEMMs and a vectorised online softmax)
+static void shared_tile(const problem & p, const scratch & s, const head_state & hs, const float * Kf, const float * Vf,
+                        int64_t tn, bool unmasked) {
+    const int64_t DK = p.DK, DV = p.DV, Rg = p.Rg, Rp = p.Rp;
+    if (unmasked) {
+        // every row sees every cell: the scores start at 0 (padded rows' scores are never used)
+        memset(s.ST, 0, sizeof(float)*tn*Rp);
+    } else {
+        memcpy(s.ST, s.MT, sizeof(float)*tn*Rp);
+    }
+    gemm(s.ST, Rp, Kf, DK, 1, hs.QT, Rp, tn, DK, Rp);
+
+    for (int64_t r = 0; r < Rp; ++r) {
+        s.mt[r] = -INFINITY;
+        s.rs[r] = 0.0f;
+    }
+    for (int64_t c = 0; c < tn; ++c) {
+        const float * row = s.ST + c*Rp;
+        for (int64_t r = 0; r < Rp; ++r) {
+            s.mt[r] = row[r] > s.mt[r] ? row[r] : s.mt[r];
+        }
+    }
+    for (int64_t r = 0; r < Rp; ++r) {
+        const float Mold = hs.M[r];
+        const float Mnew = std::max(Mold, s.mt[r]);
+        s.sub[r] = Mnew == -INFINITY ? 0.0f : Mnew;
+        s.ms[r]  = Mold == -INFINITY ? 0.0f : (Mold == Mnew ? 1.0f : expf(Mold - Mnew));
+        hs.M[r]  = Mnew;
+    }
+    for (int64_t c = 0; c < tn; ++c) {
+        exp_sub_acc(s.ST + c*Rp, s.ST + c*Rp, s.sub, s.rs, Rp);
+    }
+    for (int64_t r = 0; r < Rg; ++r) {
+        hs.S[r] = hs.S[r]*s.ms[r] + s.rs[r];
+        if (s.ms[r] != 1.0f) {
+            scale_f32(hs.ACC + r*DV, s.ms[r], DV);
+        }
+    }
+    // ACC[Rg x DV] += P[Rg x tn] * Vf[tn x DV], P(r, c) = ST[c*Rp + r]
+    gemm(hs.ACC, DV, s.ST, 1, Rp, Vf, DV, Rg, tn, DV);
+}
+
+// rows r0 .. r0+rk2 (one token's query heads of one KV head) over the nl cells in s.list
+static void private_rows(const problem & p, const scratch & s, const head_state & hs, const float * Kf, const float * Vf,
+                         const float * mk, int64_t r0, int32_t nl) {
+    const int64_t DK = p.DK, DV = p.DV;
+    for (int64_t r = r0; r < r0 + p.rk2; ++r) {
+        float mx = -INFINITY;
+        for (int32_t j = 0; j < nl; ++j) {
+            const int32_t c = s.list[j];
+            s.sc[j] = dot_f32(hs.Qr + r*DK, Kf + c*DK, DK) + mk[c];
+            mx = std::max(mx, s.sc[j]);
+        }
+        const float Mold = hs.M[r];
+        const float Mnew = std::max(Mold, mx);
+        const float ms   = Mold == -INFINITY ? 0.0f : (Mold == Mnew ? 1.0f : expf(Mold - Mnew));
+        float sum = 0.0f;
+        for (int32_t j = 0; j < nl; ++j) {
+            s.sc[j] = expf(s.sc[j] - Mnew);
+            sum += s.sc[j];
+        }
+        hs.S[r] = hs.S[r]*ms + sum;
+        hs.M[r] = Mnew;
+        float * acc = hs.ACC + r*DV;
+        if (ms != 1.0f) {
+            scale_f32(acc, ms, DV);
+        }
+        for (int32_t j = 0; j < nl; ++j) {
+            axpy_f32(acc, Vf + s.list[j]*DV, s.sc[j], DV);
+        }
+    }
+}
+
+// item = (stream i3, group of KV heads, chunk ch); writes the chunk's partials of the group's rows
 static void run_item(const problem & p, int64_t item, float * scratch_base, float * partials, stats_delta & st) {
     const int64_t ch = item % p.n_chunks;
-    const int64_t g  = (item / p.n_chunks) % p.n_head_kv;
-    const int64_t i3 = item / (p.n_chunks * p.n_head_kv);
+    const int64_t gi = (item / p.n_chunks) % p.n_groups;
+    const int64_t i3 = item / (p.n_chunks * p.n_groups);
+    const int64_t g0 = gi*p.HG;
+    const int64_t hg = std::min(p.HG, p.n_head_kv - g0);
 
     const int64_t c0 = ch*p.chunk;
     const int64_t c1 = std::min(c0 + p.chunk, p.n_kv);
@@ -314,41 +424,45 @@ static void run_item(const problem & p, int64_t item, float * scratch_base, floa
     const int64_t DK = p.DK, DV = p.DV, N = p.N, rk2 = p.rk2, Rg = p.Rg, Rp = p.Rp;
     const int64_t ik3 = i3 / p.rk3;
 
-    scratch s = carve(p, scratch_base);
+    const scratch s = carve(p, scratch_base);
 
-    // queries of the group, scaled: Qr row-major, QT transposed (padded rows are zero)
-    for (int64_t i = 0; i < N; ++i) {
-        for (int64_t h = 0; h < rk2; ++h) {
-            const int64_t r   = i*rk2 + h;
-            const int64_t iq2 = g*rk2 + h;
-            const float * q = (const float *) (p.q + i*p.nbq1 + iq2*p.nbq2 + i3*p.nbq3);
-            for (int64_t d = 0; d < DK; ++d) {
-                const float x = q[d]*p.scale;
-                s.Qr[r*DK + d] = x;
-                s.QT[d*Rp + r] = x;
+    // queries of each KV head's rows, scaled: Qr row-major, QT transposed (padded rows are zero)
+    for (int64_t gl = 0; gl < hg; ++gl) {
+        const head_state hs = head_of(p, s, gl);
+        const int64_t    g  = g0 + gl;
+        for (int64_t i = 0; i < N; ++i) {
+            for (int64_t h = 0; h < rk2; ++h) {
+                const int64_t r   = i*rk2 + h;
+                const int64_t iq2 = g*rk2 + h;
+                const float * q = (const float *) (p.q + i*p.nbq1 + iq2*p.nbq2 + i3*p.nbq3);
+                for (int64_t d = 0; d < DK; ++d) {
+                    const float x = q[d]*p.scale;
+                    hs.Qr[r*DK + d] = x;
+                    hs.QT[d*Rp + r] = x;
+                }
             }
         }
-    }
-    for (int64_t d = 0; d < DK; ++d) {
-        for (int64_t r = Rg; r < Rp; ++r) {
-            s.QT[d*Rp + r] = 0.0f;
+        for (int64_t d = 0; d < DK; ++d) {
+            for (int64_t r = Rg; r < Rp; ++r) {
+                hs.QT[d*Rp + r] = 0.0f;
+            }
         }
+        for (int64_t r = 0; r < Rp; ++r) {
+            hs.M[r] = -INFINITY;
+            hs.S[r] = 0.0f;
+        }
+        memset(hs.ACC, 0, sizeof(float)*Rp*DV);
     }
-    for (int64_t r = 0; r < Rp; ++r) {
-        s.M[r] = -INFINITY;
-        s.S[r] = 0.0f;
-    }
-    memset(s.ACC, 0, sizeof(float)*Rp*DV);
 
-    const char * kbase = p.k + g*p.nbk2 + ik3*p.nbk3;
-    const char * vbase = p.v + g*p.nbv2 + ik3*p.nbv3;
+    const char * kbase = p.k + g0*p.nbk2 + ik3*p.nbk3;
+    const char * vbase = p.v + g0*p.nbv2 + ik3*p.nbv3;
     const char * mbase = p.mask + (i3 % p.mask_ne3)*p.nbm3;
 
     for (int64_t t0 = c0; t0 < c1; t0 += TILE) {
         const int64_t tn = std::min(TILE, c1 - t0);
 
-        // mask values of the tile per token, how many cells each token sees, and whether every
-        // value is 0 (the usual shared tile: then the scores need no mask)
+        // mask values of the tile per token (once for all KV heads), how many cells each token sees, and
+        // whether every value is 0 (the usual shared tile: then the scores need no mask)
         int64_t seen = 0, zeros = 0;
         for (int64_t i = 0; i < N; ++i) {
             float * mk = s.MK + i*TILE;
@@ -363,66 +477,44 @@ static void run_item(const problem & p, int64_t item, float * scratch_base, floa
             zeros += n_zero;
         }
         if (seen == 0) {
-            st.skipped++;
+            st.skipped += hg;
             continue;
         }
 
+        // K and V of every head of the group: a cell's rows of all heads lie together in the cache
         for (int64_t c = 0; c < tn; ++c) {
-            row_to_f32(p.k_kind, kbase + (t0 + c)*p.nbk1, s.Kf + c*DK, DK);
-            row_to_f32(p.v_kind, vbase + (t0 + c)*p.nbv1, s.Vf + c*DV, DV);
+            const char * kc = kbase + (t0 + c)*p.nbk1;
+            const char * vc = vbase + (t0 + c)*p.nbv1;
+            for (int64_t gl = 0; gl < hg; ++gl) {
+                row_to_f32(p.k_kind, kc + gl*p.nbk2, s.Kf + (gl*TILE + c)*DK, DK);
+                row_to_f32(p.v_kind, vc + gl*p.nbv2, s.Vf + (gl*TILE + c)*DV, DV);
+            }
         }
 
         if (4*seen >= N*tn) {
-            // shared tile: all rows at once
-            st.shared++;
-            if (zeros == N*tn) {
-                // every row sees every cell: the scores start at 0 (padded rows' scores are never used)
-                memset(s.ST, 0, sizeof(float)*tn*Rp);
-            } else for (int64_t c = 0; c < tn; ++c) {
-                float * row = s.ST + c*Rp;
-                for (int64_t i = 0; i < N; ++i) {
-                    const float mv = s.MK[i*TILE + c];
-                    for (int64_t h = 0; h < rk2; ++h) {
-                        row[i*rk2 + h] = mv;
+            // shared tile: all rows of each KV head at once
+            st.shared += hg;
+            const bool unmasked = zeros == N*tn;
+            if (!unmasked) {
+                for (int64_t c = 0; c < tn; ++c) {
+                    float * row = s.MT + c*Rp;
+                    for (int64_t i = 0; i < N; ++i) {
+                        const float mv = s.MK[i*TILE + c];
+                        for (int64_t h = 0; h < rk2; ++h) {
+                            row[i*rk2 + h] = mv;
+                        }
+                    }
+                    for (int64_t r = Rg; r < Rp; ++r) {
+                        row[r] = -INFINITY;
                     }
                 }
-                for (int64_t r = Rg; r < Rp; ++r) {
-                    row[r] = -INFINITY;
-                }
             }
-            gemm(s.ST, Rp, s.Kf, DK, 1, s.QT, Rp, tn, DK, Rp);
-
-            for (int64_t r = 0; r < Rp; ++r) {
-                s.mt[r] = -INFINITY;
-                s.rs[r] = 0.0f;
+            for (int64_t gl = 0; gl < hg; ++gl) {
+                shared_tile(p, s, head_of(p, s, gl), s.Kf + gl*TILE*DK, s.Vf + gl*TILE*DV, tn, unmasked);
             }
-            for (int64_t c = 0; c < tn; ++c) {
-                const float * row = s.ST + c*Rp;
-                for (int64_t r = 0; r < Rp; ++r) {
-                    s.mt[r] = row[r] > s.mt[r] ? row[r] : s.mt[r];
-                }
-            }
-            for (int64_t r = 0; r < Rp; ++r) {
-                const float Mold = s.M[r];
-                const float Mnew = std::max(Mold, s.mt[r]);
-                s.sub[r] = Mnew == -INFINITY ? 0.0f : Mnew;
-                s.ms[r]  = Mold == -INFINITY ? 0.0f : (Mold == Mnew ? 1.0f : expf(Mold - Mnew));
-                s.M[r]   = Mnew;
-            }
-            for (int64_t c = 0; c < tn; ++c) {
-                exp_sub_acc(s.ST + c*Rp, s.ST + c*Rp, s.sub, s.rs, Rp);
-            }
-            for (int64_t r = 0; r < Rg; ++r) {
-                s.S[r] = s.S[r]*s.ms[r] + s.rs[r];
-                if (s.ms[r] != 1.0f) {
-                    scale_f32(s.ACC + r*DV, s.ms[r], DV);
-                }
-            }
-            // ACC[Rg x DV] += P[Rg x tn] * Vf[tn x DV], P(r, c) = ST[c*Rp + r]
-            gemm(s.ACC, DV, s.ST, 1, Rp, s.Vf, DV, Rg, tn, DV);
         } else {
             // private tile: each token's rows over the cells that token sees
-            st.priv++;
+            st.priv += hg;
             for (int64_t i = 0; i < N; ++i) {
                 if (s.cnt[i] == 0) {
                     continue;
@@ -434,46 +526,26 @@ static void run_item(const problem & p, int64_t item, float * scratch_base, floa
                         s.list[nl++] = (int32_t) c;
                     }
                 }
-                for (int64_t h = 0; h < rk2; ++h) {
-                    const int64_t r = i*rk2 + h;
-                    float mx = -INFINITY;
-                    for (int32_t j = 0; j < nl; ++j) {
-                        const int32_t c = s.list[j];
-                        s.sc[j] = dot_f32(s.Qr + r*DK, s.Kf + c*DK, DK) + mk[c];
-                        mx = std::max(mx, s.sc[j]);
-                    }
-                    const float Mold = s.M[r];
-                    const float Mnew = std::max(Mold, mx);
-                    const float ms   = Mold == -INFINITY ? 0.0f : (Mold == Mnew ? 1.0f : expf(Mold - Mnew));
-                    float sum = 0.0f;
-                    for (int32_t j = 0; j < nl; ++j) {
-                        s.sc[j] = expf(s.sc[j] - Mnew);
-                        sum += s.sc[j];
-                    }
-                    s.S[r] = s.S[r]*ms + sum;
-                    s.M[r] = Mnew;
-                    float * acc = s.ACC + r*DV;
-                    if (ms != 1.0f) {
-                        scale_f32(acc, ms, DV);
-                    }
-                    for (int32_t j = 0; j < nl; ++j) {
-                        axpy_f32(acc, s.Vf + s.list[j]*DV, s.sc[j], DV);
-                    }
+                for (int64_t gl = 0; gl < hg; ++gl) {
+                    private_rows(p, s, head_of(p, s, gl), s.Kf + gl*TILE*DK, s.Vf + gl*TILE*DV, mk, i*rk2, nl);
                 }
             }
         }
     }
 
     // partials of this chunk: [M, S, ACC] per row
-    for (int64_t i = 0; i < N; ++i) {
-        for (int64_t h = 0; h < rk2; ++h) {
-            const int64_t r   = i*rk2 + h;
-            const int64_t iq2 = g*rk2 + h;
-            const int64_t gr  = (i3*p.n_head + iq2)*N + i;
-            float * part = partials + (ch*p.n_rows_total + gr)*(2 + DV);
-            part[0] = s.M[r];
-            part[1] = s.S[r];
-            memcpy(part + 2, s.ACC + r*DV, sizeof(float)*DV);
+    for (int64_t gl = 0; gl < hg; ++gl) {
+        const head_state hs = head_of(p, s, gl);
+        for (int64_t i = 0; i < N; ++i) {
+            for (int64_t h = 0; h < rk2; ++h) {
+                const int64_t r   = i*rk2 + h;
+                const int64_t iq2 = (g0 + gl)*rk2 + h;
+                const int64_t gr  = (i3*p.n_head + iq2)*N + i;
+                float * part = partials + (ch*p.n_rows_total + gr)*(2 + DV);
+                part[0] = hs.M[r];
+                part[1] = hs.S[r];
+                memcpy(part + 2, hs.ACC + r*DV, sizeof(float)*DV);
+            }
         }
     }
 }
@@ -587,10 +659,10 @@ bool run_single(ggml_tensor * dst) {
     }
     std::vector<float> scratch_buf(scratch_floats(p)), part(partials_floats(p));
     stats_delta st;
-    for (int64_t item = 0; item < p.ne3*p.n_head_kv*p.n_chunks; ++item) {
+    for (int64_t item = 0; item < p.ne3*p.n_groups*p.n_chunks; ++item) {
         run_item(p, item, scratch_buf.data(), part.data(), st);
     }
-    reduce_rows(p, 0, p.n_rows_total, part.data(), carve(p, scratch_buf.data()).ACC);
+    reduce_rows(p, 0, p.n_rows_total, part.data(), carve(p, scratch_buf.data()).ST);
     return true;
 }
 #endif
@@ -635,7 +707,7 @@ bool ggml_cpu_polykv_fa_decode(const ggml_compute_params * params, ggml_tensor *
     float * partials = wbase + nth*scratch_floats(p);
     float * mine     = wbase + ith*scratch_floats(p);
 
-    const int64_t n_items = p.ne3 * p.n_head_kv * p.n_chunks;
+    const int64_t n_items = p.ne3 * p.n_groups * p.n_chunks;
 
     if (ith == 0) {
         ggml_threadpool_chunk_set(params->threadpool, nth);
@@ -652,7 +724,7 @@ bool ggml_cpu_polykv_fa_decode(const ggml_compute_params * params, ggml_tensor *
     const int64_t per = (p.n_rows_total + nth - 1) / nth;
     const int64_t gr0 = std::min<int64_t>(ith*per, p.n_rows_total);
     const int64_t gr1 = std::min<int64_t>(gr0 + per, p.n_rows_total);
-    reduce_rows(p, gr0, gr1, partials, carve(p, mine).ACC);
+    reduce_rows(p, gr0, gr1, partials, carve(p, mine).ST);
 
     if (ith == 0) {
         g_stats[0].fetch_add(1, std::memory_order_relaxed);

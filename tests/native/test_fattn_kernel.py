@@ -5,7 +5,10 @@ flash-attention nodes shaped like llama.cpp's decode graph on random Q/K/V and m
 prefix with interleaved private cells, whole tiles nobody sees, random masks), with GQA ratios
 1/3/8, head sizes 64/128, f16 and q8_0 KV and 1-3 threads, once with the path off (upstream's
 kernel) and once on, against a double-precision reference; on x86-64 also the same computation
-compiled for AVX2 and without SIMD.
+compiled for AVX2 and without SIMD. Nodes the path must leave to upstream (softcap, ALiBi, sinks,
+other KV types, 1 or 64+ rows) are computed with the switch on and must come out bit for bit as
+upstream's. The kernel source must also compile where ggml's vectors are sizeless (ARM SVE,
+RISC-V RVV): checked with the cross compilers when they are installed.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import platform
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -30,12 +34,20 @@ MAX_ERR = 1e-4
 
 
 @pytest.fixture(scope="module")
-def cases() -> list[dict[str, Any]]:
+def all_cases() -> list[dict[str, Any]]:
     exe = NATIVE_DIR / "bin" / "polykv-fattn-check"
     assert exe.is_file(), f"{exe} missing: was polykv installed with `pip install .`?"
     proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:] + proc.stdout[-2000:]
     out = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(out) >= 36
+    return out
+
+
+@pytest.fixture(scope="module")
+def taken(all_cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The cases the path must compute."""
+    out = [c for c in all_cases if not c["decline"]]
     assert len(out) >= 36
     log.warning(
         "polykv-fattn-check: %d cases; max abs error vs double: path %.2g (avx2 %.2g, scalar %.2g), upstream %.2g",
@@ -46,6 +58,11 @@ def cases() -> list[dict[str, Any]]:
         max(c["err_off"] for c in out),
     )
     return out
+
+
+@pytest.fixture
+def cases(taken: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return taken
 
 
 def test_every_case_took_the_path_and_is_within_bounds(cases: list[dict[str, Any]]) -> None:
@@ -75,3 +92,44 @@ def test_shared_private_and_masked_tiles_are_all_exercised(cases: list[dict[str,
     assert {c["n_head"] // c["n_head_kv"] for c in cases} == {1, 3, 8}
     assert {c["DK"] for c in cases} == {64, 128}
     assert {c["kv_type"] for c in cases} == {"f16", "q8_0"}
+
+
+def test_unsupported_nodes_are_declined_and_left_to_upstream(all_cases: list[dict[str, Any]]) -> None:
+    declined = [c for c in all_cases if c["decline"]]
+    assert {c["decline"] for c in declined} == {"softcap", "alibi", "sinks", "kv_type", "rows"}
+    assert {c["kv_type"] for c in declined if c["decline"] == "kv_type"} >= {"q4_0", "q5_1"}
+    assert {c["N"] for c in declined if c["decline"] == "rows"} == {1, 64}
+    for c in declined:
+        assert c["ops"] == 0, c  # the switch was on, and the path did not take the node
+        assert c["on_vs_off"] == 0, c  # upstream's kernel computed it, bit for bit
+        assert c["err_scalar"] == -1 and c["err_avx2"] == -1, c  # every build declines it
+
+
+CROSS = {
+    "arm64-sve": ["aarch64-linux-gnu-g++", "-march=armv8.2-a+sve+fp16"],
+    "arm64-neon": ["aarch64-linux-gnu-g++", "-march=armv8.2-a+fp16"],
+    "riscv64-rvv": ["riscv64-linux-gnu-g++", "-march=rv64gcv", "-mabi=lp64d"],
+}
+
+
+@pytest.mark.parametrize("target", sorted(CROSS))
+def test_kernel_compiles_for_sizeless_vector_targets(target: str, tmp_path: Path) -> None:
+    """Arrays of GGML_F32_VEC do not compile where it is a sizeless type (SVE): those targets get the scalar code."""
+    import patchtool  # scripts/, on sys.path through pytest's pythonpath option
+
+    cmd = CROSS[target]
+    if shutil.which(cmd[0]) is None:
+        pytest.skip(f"{cmd[0]} not installed (Debian: g++-aarch64-linux-gnu, g++-riscv64-linux-gnu)")
+    ggml = patchtool.ROOT / "vendor" / "llama.cpp" / "ggml"
+    if not (ggml / "src" / "ggml-cpu" / "simd-mappings.h").is_file():
+        pytest.skip("vendor/llama.cpp is not unpacked (pip install . unpacks it)")
+    src = patchtool.NATIVE_DIR / "ggml-cpu" / "polykv-fattn.cpp"
+    includes = [f"-I{ggml / 'src'}", f"-I{ggml / 'src' / 'ggml-cpu'}", f"-I{ggml / 'include'}", f"-I{src.parent}"]
+    proc = subprocess.run(
+        [*cmd, "-std=c++17", "-O2", "-c", str(src), *includes, "-o", str(tmp_path / "fa.o")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -40,6 +40,7 @@ class ClusterConfig:
     model: str | None = None
     alias: str = DEFAULT_MODEL
     pool_auto: bool = True
+    shared_decode: bool = True
     track_kv: bool = False
     extra_args: tuple[str, ...] = ()
     gateway: GatewayOptions = field(default_factory=GatewayOptions)
@@ -75,6 +76,7 @@ class Cluster:
                 pool_auto=cfg.pool_auto,
                 slot_actions=True,
                 slot_save_path=save_path,
+                shared_decode=cfg.shared_decode,
                 extra_args=["--alias", cfg.alias, *cfg.extra_args],
                 threads=cfg.threads,
                 model=cfg.model,

@@ -43,6 +43,12 @@ POOL_SERVER_ARGS = (UNIFIED_KV, NO_CLEAR_IDLE, *NO_HOST_CACHE, "--slots")
 #: The same for the reference server (upstream's flag name; no pool slot to reserve).
 REFERENCE_SERVER_ARGS = (UNIFIED_KV, NO_CACHE_IDLE, *NO_HOST_CACHE, "--slots")
 
+#: polykv's decode attention over shared cells (patch 0076): on in ``polykv serve``, ``polykv run``,
+#: ``polykv cluster`` and the benchmarks' polykv systems; the server binary's own default stays off.
+SHARED_DECODE = "--shared-decode"
+#: The opt-out (a later flag wins over an earlier one on llama-server's command line).
+NO_SHARED_DECODE = "--no-shared-decode"
+
 #: polykv's flag: a plain request (no pool field, not pinned) shares the reserved pool that has the longest
 #: common prefix with its prompt (``shared_prefix.auto == "pool"``). Only newer patched servers know it.
 POOL_AUTO = "--pool-auto"
@@ -54,7 +60,7 @@ SERVE_AGENT_SLOTS = 8
 #: Flags ``polykv serve`` adds unless the user passes ``--no-defaults`` (its pools: :func:`serve_pool_args`).
 SERVE_DEFAULTS = (
     *POOL_SERVER_ARGS[:-1], "-c", str(SERVE_CTX),
-    "-t", str(min(os.cpu_count() or 2, 8)), "--metrics", "--slots",
+    "-t", str(min(os.cpu_count() or 2, 8)), "--metrics", "--slots", SHARED_DECODE,
 )  # fmt: skip
 
 
@@ -103,6 +109,7 @@ def pool_server(
     pool_slot: int | None = 0,
     env: Mapping[str, str] | None = None,
     slot_save_path: str | None = None,
+    shared_decode: bool = False,
     **launch: Any,
 ) -> LlamaServer:
     """A fan-out server: ``n_agents_parallel`` agent slots plus the pool slot ``pool_slot``.
@@ -112,7 +119,8 @@ def pool_server(
     in all (unified); with ``track_kv`` the debug logging :mod:`polykv_py.harness.kvcells` reads.
     ``kind="upstream"`` gives the reference server with the same flags (its own flag names).
     ``slot_save_path``: the ``--slot-save-path`` (a :class:`~polykv_py.pools.PoolCache`'s
-    ``save_path``); default a fresh directory.
+    ``save_path``); default a fresh directory. ``shared_decode``: ``--shared-decode`` (patched only;
+    off here so that tests compare upstream's kernel unless they ask; ``polykv run`` turns it on).
     ``launch`` goes to :class:`~polykv_py.server.LlamaServer` (``binary``, ``log_dir``, ``api_key`` ...).
     """
     kind = ServerKind.of(kind)
@@ -120,6 +128,8 @@ def pool_server(
     reserve = pool_slot_args([pool_slot]) if patched and pool_slot is not None else []
     recipe = POOL_SERVER_ARGS if patched else REFERENCE_SERVER_ARGS
     args = [*recipe, *slots_args(n_agents_parallel + 1, ctx), *slot_actions_args(slot_save_path), *reserve]
+    if patched and shared_decode:
+        args.append(SHARED_DECODE)
     return custom_server(kind, args, extra_args=extra_args, track_kv=track_kv, model=model, threads=threads, name=name,
                          env=env, **launch)  # fmt: skip
 
@@ -132,19 +142,22 @@ def serve_server(
     pool_auto: bool = True,
     slot_actions: bool = False,
     slot_save_path: str | None = None,
+    shared_decode: bool = True,
     extra_args: Sequence[str] = (),
     threads: int | None = None,
     name: str = "polykv-serve",
     **launch: Any,
 ) -> LlamaServer:
     """The patched server as ``polykv serve --pool ...`` starts it (``n_pools`` reserved pools,
-    ``agent_slots`` more slots, ``ctx`` KV cells, ``--pool-auto``), on a free loopback port.
+    ``agent_slots`` more slots, ``ctx`` KV cells, ``--pool-auto``, ``--shared-decode`` unless
+    ``shared_decode`` is False), on a free loopback port.
 
     Prime its pools with :func:`polykv_py.serve.prime_pools`, as ``polykv serve`` does.
     ``slot_actions`` adds ``--slot-save-path`` (erasing slots, for tests); ``slot_save_path`` sets it
     (the pool cache's directory).
     """
     args = [*POOL_SERVER_ARGS, "-c", str(ctx), *serve_pool_args(n_pools, agent_slots, pool_auto=pool_auto)]
+    args.append(SHARED_DECODE if shared_decode else NO_SHARED_DECODE)
     if slot_actions or slot_save_path:
         args += slot_actions_args(slot_save_path)
     return custom_server(ServerKind.PATCHED, args, extra_args=extra_args, threads=threads, name=name, **launch)

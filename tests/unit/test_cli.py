@@ -8,7 +8,16 @@ import pytest
 
 from polykv_py.cli import app as cli
 from polykv_py.harness import gate
-from polykv_py.presets import POOL_AUTO, SERVE_AGENT_SLOTS, SERVE_DEFAULTS, serve_pool_args, serve_server
+from polykv_py.harness.systems import SYSTEMS
+from polykv_py.presets import (
+    NO_SHARED_DECODE,
+    POOL_AUTO,
+    SERVE_AGENT_SLOTS,
+    SERVE_DEFAULTS,
+    SHARED_DECODE,
+    serve_pool_args,
+    serve_server,
+)
 
 
 def test_gate_options_reach_the_gate(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -50,4 +59,15 @@ def test_serve_server_is_polykv_serve_with_pools(tmp_path: Path, fake_model: Pat
     flags = [a for a in SERVE_DEFAULTS if a.startswith("-")]
     assert all(f in cmd for f in flags), [f for f in flags if f not in cmd]
     assert cmd[cmd.index("-c") + 1] == "4096" and cmd[cmd.index("-t") + 1] == "1"
-    assert cmd[-5:] == ["--pool-slots", "0,1", "-np", "4", POOL_AUTO]
+    assert cmd[-6:] == ["--pool-slots", "0,1", "-np", "4", POOL_AUTO, SHARED_DECODE]
+    off = serve_server(1, shared_decode=False, binary=tmp_path / "llama-server", model=fake_model).command(8080)
+    assert off[-1] == NO_SHARED_DECODE and SHARED_DECODE not in off
+
+
+def test_polykv_run_and_cluster_decode_over_shared_cells_unless_told_not_to() -> None:
+    parser = cli.build_parser()
+    assert parser.parse_args(["run", "x"]).no_shared_decode is False
+    assert parser.parse_args(["run", "x", "--no-shared-decode"]).no_shared_decode is True
+    assert parser.parse_args(["cluster", "--no-shared-decode"]).no_shared_decode is True
+    assert SHARED_DECODE in SERVE_DEFAULTS
+    assert SHARED_DECODE in SYSTEMS["patched"].flags and SHARED_DECODE in SYSTEMS["dropin"].flags

@@ -29,6 +29,7 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
         model=args.model,
         alias=args.alias,
         extra_args=tuple(args.server_arg or ()),
+        shared_decode=not args.no_shared_decode,
         gateway=gateway,
     )
     cache = PoolCache(args.pool_cache) if args.pool_cache else PoolCache.default()
@@ -115,6 +116,9 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--pool-cache", metavar="DIR", help="the replicas' pool-file directory (default the pool cache)")
     p.add_argument("--server-arg", action="append", help="extra llama-server flag for every replica (repeatable)")
+    p.add_argument(
+        "--no-shared-decode", action="store_true", help="replicas decode with upstream's attention kernel (default: on)"
+    )
     p.add_argument("--no-restart-dead", dest="restart_dead", action="store_false", help="leave dead replicas down")
     p.add_argument("--watch-interval", type=float, default=2.0, help=argparse.SUPPRESS)
     p.set_defaults(func=_cmd_cluster)

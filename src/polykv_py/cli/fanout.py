@@ -344,6 +344,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 extra_args=args.server_arg or (),
                 track_kv=not args.no_kv,
                 slot_save_path=pool_cache.save_path if pool_cache else None,
+                shared_decode=not args.no_shared_decode,
             )
             progress._say(
                 f"starting the patched llama-server ({parallel} agent slots + 1 pool slot, -c {args.ctx}) ...",
@@ -463,6 +464,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads of a started server")
     p.add_argument("--server-arg", action="append", help="extra llama-server flag (repeatable)")
     p.add_argument("--no-kv", action="store_true", help="don't measure KV cells (no server debug log)")
+    p.add_argument(
+        "--no-shared-decode",
+        action="store_true",
+        help="a started server decodes with upstream's attention kernel (default: --shared-decode)",
+    )
     p.add_argument(
         "--compare",
         action="store_true",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -31,12 +32,16 @@ from ..client import AsyncClient
 from ..fanout import Agent, BaseContext, SharedContext
 from .benchmark import round_up
 from .multiturn import QUESTION_TOKENS, TurnsConfig, base_for, question_block
-from .systems import SHARED_DECODE, SYSTEMS, System, start_system_server
+from .systems import SYSTEMS, UPSTREAM_DECODE, System, start_system_server
 
 log = logging.getLogger(__name__)
 
 #: The two systems of every cell, in the order they run.
-DECODE_SYSTEMS: dict[str, System] = {"patched": SYSTEMS["patched"], "shared_decode": SHARED_DECODE}
+#: off: the patched server with upstream's kernel; on: the benchmarks' ``patched`` (``--shared-decode``)
+DECODE_SYSTEMS: dict[str, System] = {
+    "patched": dataclasses.replace(UPSTREAM_DECODE, name="patched"),
+    "shared_decode": dataclasses.replace(SYSTEMS["patched"], name="shared_decode"),
+}
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,17 @@ stock"):
   slots as whole prompts fit; the agents queue, and the host prompt cache and similarity
   let a slot take up a cached prompt (the base, or an agent's own transcript) again.
 
-and polykv's two modes:
+and polykv's modes:
 
-- ``patched``: unified KV, a reserved pool slot primed once, every agent shares its cells;
+- ``patched``: unified KV, a reserved pool slot primed once, every agent shares its cells, and
+  the agents decode over the shared cells together (``--shared-decode``, as ``polykv serve`` runs);
 - ``copied``: the patched server without ``-kvu`` (one stream per slot): a share copies the
   pool's whole stream and trims it (status ``copied``), so compute is saved, memory is not;
 - ``dropin``: ``patched`` with ``--pool-auto``, and agents that send plain requests (no pool
   field): the server finds the pool and the prefix itself, as for any OpenAI client.
+
+The decode benchmark also runs ``patched_upstream_decode``: ``patched`` with upstream's attention
+kernel (``--no-shared-decode``), to measure what the decode path alone buys.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..native import ServerKind
-from ..presets import NO_CLEAR_IDLE, custom_server, slot_actions_args, slots_args
+from ..presets import NO_CLEAR_IDLE, NO_SHARED_DECODE, SHARED_DECODE, custom_server, slot_actions_args, slots_args
 from ..server import LlamaServer
 
 Budget = Literal["copies", "shared"]
@@ -38,6 +42,8 @@ Budget = Literal["copies", "shared"]
 _STOCK_REUSE = ("--cache-ram", "8192", "--cache-idle-slots", "--slot-prompt-similarity", "0.1")
 #: polykv's pool recipe: unified KV, idle slots kept resident, no host cache, slot 0 reserved for the pool.
 _POOL = ("-kvu", NO_CLEAR_IDLE, "--cache-ram", "0", "--pool-slots", "0")
+#: ... with the agents decoding over the shared cells together, as ``polykv serve`` runs
+_POOL_SD = (*_POOL, SHARED_DECODE)
 
 
 @dataclass(frozen=True)
@@ -72,21 +78,21 @@ SYSTEMS: dict[str, System] = {
         System("stock_kvu", _UP, ("-kvu",), False, False, "copies", "stock, -kvu"),
         System("stock_cache", _UP, _STOCK_REUSE, False, True, "copies", "stock, host cache + similarity, base first"),
         System("stock_queued", _UP, _STOCK_REUSE, False, True, "shared", "stock at the sharing KV budget, queued"),
-        System("patched", _PATCHED, _POOL, True, True, "shared", "polykv, pool shared (-kvu)", pool=True),
+        System("patched", _PATCHED, _POOL_SD, True, True, "shared", "polykv, pool shared (-kvu)", pool=True),
         System("copied", _PATCHED, _POOL[1:], True, True, "copies", "polykv without -kvu (pool copied)", pool=True),
-        System("dropin", _PATCHED, (*_POOL, "--pool-auto"), False, True, "shared", "polykv drop-in", pool=True),
+        System("dropin", _PATCHED, (*_POOL_SD, "--pool-auto"), False, True, "shared", "polykv drop-in", pool=True),
     )
 }
-#: ``patched`` with the shared-prefix decode attention on (patch 0076, ``--shared-decode``); compared with
-#: ``patched`` by the decode benchmark (:mod:`polykv_py.harness.decode`), not part of the stock grids.
-SHARED_DECODE = System(
-    "shared_decode",
+#: ``patched`` with upstream's attention kernel (``--no-shared-decode``): what the decode benchmark
+#: (:mod:`polykv_py.harness.decode`) compares ``patched`` with; not part of the stock grids.
+UPSTREAM_DECODE = System(
+    "patched_upstream_decode",
     _PATCHED,
-    (*_POOL, "--shared-decode"),
+    (*_POOL, NO_SHARED_DECODE),
     True,
     True,
     "shared",
-    "polykv, pool shared, --shared-decode",
+    "polykv, pool shared, upstream's decode attention",
     pool=True,
 )
 #: The stock systems, whose fastest per cell is "best stock".

@@ -163,7 +163,9 @@ def test_state_with_extra_cells_is_refused_even_when_authentic(
         assert not pool_state(c)["resident"]
 
 
-def test_part_file_link_is_not_followed(srv: LlamaServer, genuine: dict[str, Any], save_dir: Path, tmp_path: Path) -> None:
+def test_part_file_link_is_not_followed(
+    srv: LlamaServer, genuine: dict[str, Any], save_dir: Path, tmp_path: Path
+) -> None:
     """A link planted where the server writes its temporary file never redirects the save."""
     victim = tmp_path / "victim.txt"
     victim.write_text("keep me")
@@ -251,7 +253,12 @@ def test_salted_pool_tells_nothing_without_its_salt(srv: LlamaServer, genuine: d
 
 # ------------------------------------------------------------------------------ identity
 def test_kv_settings_are_part_of_the_identity(
-    patched_server_bin: Path, model_path: Path, srv: LlamaServer, genuine: dict[str, Any], save_dir: Path, tmp_path: Path
+    patched_server_bin: Path,
+    model_path: Path,
+    srv: LlamaServer,
+    genuine: dict[str, Any],
+    save_dir: Path,
+    tmp_path: Path,
 ) -> None:
     """A server whose RoPE or metadata overrides change the KV refuses the default server's file, and looks
     for another name."""

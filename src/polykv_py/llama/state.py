@@ -61,7 +61,9 @@ def check_pool_dir(directory: str | os.PathLike[str]) -> None:
     if not stat.S_ISDIR(st.st_mode):
         raise StateError(f"the pool directory {directory} is not a directory (a symbolic link is refused)")
     if st.st_uid != os.geteuid():
-        raise StateError(f"the pool directory {directory} belongs to uid {st.st_uid}, not to this user ({os.geteuid()})")
+        raise StateError(
+            f"the pool directory {directory} belongs to uid {st.st_uid}, not to this user ({os.geteuid()})"
+        )
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise StateError(
             f"the pool directory {directory} is writable by its group or by others "
@@ -78,7 +80,9 @@ def pool_key(directory: str | os.PathLike[str], *, create: bool = True) -> bytes
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             if not create:
-                raise StateError(f"{directory} has no pool key ({KEY_FILE}): no file there was written by polykv") from None
+                raise StateError(
+                    f"{directory} has no pool key ({KEY_FILE}): no file there was written by polykv"
+                ) from None
         except OSError as exc:
             raise StateError(f"cannot read the pool key {path}: {exc}") from exc
         else:
@@ -259,7 +263,9 @@ def _read_verified(path: str | os.PathLike[str]) -> tuple[dict[str, Any], bytes]
     if raw[: len(MAGIC)] != MAGIC or len(raw) < len(MAGIC) + 4:
         raise StateError(f"{path} is not a polykv prefix file (bad magic)")
     if len(raw) < len(MAGIC) + 4 + MAC_BYTES or not hmac.compare_digest(_mac(key, raw[:-MAC_BYTES]), raw[-MAC_BYTES:]):
-        raise StateError(f"{path}: authentication failed (not written with this directory's pool key, or changed since)")
+        raise StateError(
+            f"{path}: authentication failed (not written with this directory's pool key, or changed since)"
+        )
     (n,) = struct.unpack("<I", raw[len(MAGIC) : len(MAGIC) + 4])
     offset = len(MAGIC) + 4 + n
     if offset > len(raw) - MAC_BYTES:

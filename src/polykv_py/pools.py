@@ -5,21 +5,25 @@ restores one with ``?action=restore`` into files under its ``--slot-save-path``,
 container of :mod:`polykv_py.llama.state` (the in-process engine reads and writes the same
 files). A restore is checked against the model (GGUF sha256 and shape), the KV layout, the
 tokens the caller expects and the pool's ``cache_salt`` before the pool is touched, and is
-refused with HTTP 400 naming the reason otherwise.
+refused with HTTP 400 otherwise.
 
-This module has the requests, the pool states ``/slots`` reports, the file names (a hash of
-the model's identity, the KV layout, the tokens and the salt: never user text) and
-:class:`PoolCache`, a directory of pool files with a size limit (least recently used files go
-first) that ``polykv run``, ``polykv serve`` and the fan-out API share.
+This module has the requests, the pool states ``/slots`` reports (:class:`PoolState`: a salted
+pool shows only a MAC of its tokens keyed with the salt, so only a holder of the salt can tell
+what it holds), the file names (a hash of the model's identity, the KV layout, the tokens and
+the salt: never user text) and :class:`PoolCache`, a directory of pool files with a size limit
+(least recently used files go first) that ``polykv run``, ``polykv serve`` and the fan-out API
+share.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
 import json
 import logging
 import os
+import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,19 +45,33 @@ DEFAULT_MAX_BYTES = 8 * 2**30
 MAX_ENV = "POLYKV_POOL_CACHE_MAX_MB"
 
 
+def tokens_mac(tokens: Sequence[int], cache_salt: str) -> str:
+    """How ``/slots`` names the tokens of a pool salted with ``cache_salt``: HMAC-SHA256 keyed with the
+    salt's UTF-8 bytes over the tokens packed as little-endian int32 (hex)."""
+    msg = struct.pack(f"<{len(tokens)}i", *tokens)
+    return hmac.new(cache_salt.encode("utf-8"), msg, hashlib.sha256).hexdigest()
+
+
 @dataclass(frozen=True)
 class PoolState:
-    """One reserved pool as ``GET /slots`` reports it (``polykv_pool_state``)."""
+    """One reserved pool as ``GET /slots`` reports it (``polykv_pool_state``).
+
+    An unsalted pool shows its token count, the sha256 of its tokens and the file it was last
+    restored from. A salted pool shows none of these, only ``tokens_mac`` (:func:`tokens_mac`:
+    keyed with the salt), so that :meth:`holds` tells a client with the salt whether the pool
+    holds its tokens and tells others nothing.
+    """
 
     slot: int
-    n_tokens: int
+    n_tokens: int | None  # None: salted (not shown)
     resident: bool
-    tokens_sha256: str | None
-    salt_sha256: str | None  # sha256 of the pool's cache_salt; None: unsalted; "mixed"
+    salted: bool | str  # True, False, or "mixed" (cells of several salts)
+    tokens_sha256: str | None  # unsalted pools only
+    tokens_mac: str | None  # salted pools only: HMAC-SHA256(salt, tokens)
     hits: int  # shares taken from it since the server started
     sharers: int  # slots that still hold its cells
     last_use_s_ago: float | None
-    restored_from: str | None  # the file of its last restore (None: primed, or never filled)
+    restored_from: str | None  # the file of its last restore (None: primed, never filled, or salted)
 
     @classmethod
     def from_slot(cls, slot: Json) -> PoolState | None:
@@ -61,17 +79,42 @@ class PoolState:
         st = slot.get("polykv_pool_state")
         if not isinstance(st, dict):
             return None
+        n_tokens = st.get("n_tokens")
+        salted = st.get("salted", st.get("salt_sha256") is not None)  # a server before issue 26 had salt_sha256
         return cls(
             slot=int(slot["id"]),
-            n_tokens=int(st.get("n_tokens", 0)),
+            n_tokens=None if n_tokens is None else int(n_tokens),
             resident=bool(st.get("resident")),
+            salted=salted if salted == "mixed" else bool(salted),
             tokens_sha256=st.get("tokens_sha256"),
-            salt_sha256=st.get("salt_sha256"),
+            tokens_mac=st.get("tokens_mac"),
             hits=int(st.get("hits", 0)),
             sharers=int(st.get("sharers", 0)),
             last_use_s_ago=st.get("last_use_s_ago"),
             restored_from=st.get("restored_from"),
         )
+
+    @property
+    def empty(self) -> bool:
+        """Nothing resident, or no tokens (a salted resident pool is not empty: its count is not shown)."""
+        return not self.resident or self.n_tokens == 0
+
+    def holds(self, tokens: Sequence[int], cache_salt: str | None = None) -> bool:
+        """True when the pool is resident with exactly ``tokens`` primed under ``cache_salt``.
+
+        Unsalted (``cache_salt`` None or empty): the pool is unsalted and its ``tokens_sha256``
+        matches. Salted: the pool is salted (with one salt) and its ``tokens_mac`` equals
+        :func:`tokens_mac` of ``tokens`` under ``cache_salt``; another salt never matches.
+        """
+        if not self.resident or not tokens:
+            return False
+        if cache_salt:
+            return (
+                self.salted is True
+                and isinstance(self.tokens_mac, str)
+                and hmac.compare_digest(self.tokens_mac, tokens_mac(tokens, cache_salt))
+            )
+        return self.salted is False and self.tokens_sha256 is not None and self.tokens_sha256 == tokens_sha256(tokens)
 
 
 def pool_states(slots: Sequence[Json]) -> list[PoolState]:
@@ -79,28 +122,30 @@ def pool_states(slots: Sequence[Json]) -> list[PoolState]:
     return [s for s in (PoolState.from_slot(x) for x in slots) if s is not None]
 
 
-def salt_sha256(salt: str | None) -> str | None:
-    """How a pool file and ``/slots`` name a ``cache_salt``: its sha256 (None when unsalted)."""
-    return hashlib.sha256(salt.encode()).hexdigest() if salt else None
+def _salt_digest_for_file_name(salt: str | None) -> str:
+    """What :func:`pool_file_name` hashes for a salt (a file name in the cache directory; the server
+    shows no digest of a salt)."""
+    return hashlib.sha256(salt.encode()).hexdigest() if salt else "-"
 
 
 def pool_file_name(identity: Json, tokens: Sequence[int], cache_salt: str | None = None) -> str:
     """The cache file name of a pool: ``pool-<32 hex>.pkvpool``.
 
     The hash covers what a restore must match: the server's ``pool_files`` identity from
-    ``/props`` (model sha256 and shape, KV layout, format), the tokens and the salt's hash. A
-    server with another model or KV layout therefore looks for another file (a miss), rather
-    than being refused one.
+    ``/props`` (model sha256 and shape, KV layout, format), the tokens and the salt. A server
+    with another model or KV layout therefore looks for another file (a miss), rather than
+    being refused one, and pools of different salts get different files.
     """
     h = hashlib.sha256()
     h.update(json.dumps(identity, sort_keys=True, separators=(",", ":")).encode())
     h.update(tokens_sha256(list(tokens)).encode())
-    h.update((salt_sha256(cache_salt) or "-").encode())
+    h.update(_salt_digest_for_file_name(cache_salt).encode())
     return f"pool-{h.hexdigest()[:32]}{POOL_FILE_SUFFIX}"
 
 
 def action_body(filename: str, *, tokens: Sequence[int] | None = None, cache_salt: str | None = None) -> Json:
-    """The body of ``POST /slots/N?action=save|restore`` for a pool file."""
+    """The body of ``POST /slots/N?action=save|restore`` for a pool file (``tokens``: what a restore
+    expects the file to hold; ``cache_salt``: the pool's salt, sent on both for a salted pool)."""
     body: Json = {"filename": filename}
     if tokens is not None:
         body["tokens"] = list(tokens)

@@ -50,8 +50,7 @@ from .fanout import (
     server_gone,
 )
 from .gateway import MAX_ROUTING_KEY_BYTES, ROUTING_KEY_HEADER, worker_list
-from .llama.state import tokens_sha256
-from .pools import pool_states, salt_sha256
+from .pools import pool_states
 from .results import AgentResult, FanoutResult, Mode, PrimeResult
 
 log = logging.getLogger(__name__)
@@ -74,12 +73,13 @@ def routing_key(model: str, base: BaseContext, cache_salt: str | None = None) ->
     has, without a tokenizer (a gateway does not proxy ``/tokenize``). A plain OpenAI client can
     send the same key in the ``X-SMG-Routing-Key`` header.
     """
+    salt_hash = hashlib.sha256(cache_salt.encode()).hexdigest() if cache_salt else None
     doc = {
         "polykv_pool": 1,
         "model": model,
         "text": base.text,
         "messages": [dict(m) for m in base.messages] if base.messages is not None else None,
-        "salt_sha256": salt_sha256(cache_salt),
+        "salt_sha256": salt_hash,  # the field name keeps keys stable across versions
     }
     digest = hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode())
     key = f"pool-{digest.hexdigest()[:48]}"
@@ -226,9 +226,10 @@ class Router:
 
         Prefers the slot that already holds these tokens (another client may have primed it), then
         an empty one, then the least recently used one without sharers; never a slot this process
-        placed another pool in. Raises :class:`FanoutError` when there is none.
+        placed another pool in. A pool holds the tokens when :meth:`~polykv_py.pools.PoolState.holds` says
+        so: same tokens and same salt (a salted pool shows only a MAC of its tokens keyed with its salt).
+        Raises :class:`FanoutError` when there is none.
         """
-        sha, salt = tokens_sha256(tokens), salt_sha256(cache_salt)
         lock = self._locks.setdefault(replica, asyncio.Lock())
         async with lock:
             states = pool_states(await self.replica(replica).slots())
@@ -239,7 +240,7 @@ class Router:
                     del self._claims[(r, s)]
             taken = {s for (r, s) in self._claims if r == replica}
             free = [s for s in states if s.slot not in taken]
-            ours = [s for s in free if s.resident and s.n_tokens and s.tokens_sha256 == sha and s.salt_sha256 == salt]
+            ours = [s for s in free if s.holds(tokens, cache_salt)]
             if ours:
                 pick, resident = ours[0], True
             elif not free:
@@ -248,7 +249,7 @@ class Router:
                     "start the replicas with more --pool-slots"
                 )
             else:
-                empty = [s for s in free if not s.resident or not s.n_tokens]
+                empty = [s for s in free if s.empty]
                 pick = empty[0] if empty else max(free, key=lambda s: (s.sharers == 0, s.last_use_s_ago or 0.0))
                 resident = False
             self._claims[(replica, pick.slot)] = key

@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
+import struct
 from pathlib import Path
 
 import pytest
 
+from polykv_py import pools as pools_module
 from polykv_py.errors import HTTPError
-from polykv_py.llama.state import write_prefix_file
-from polykv_py.pools import PoolCache, PoolState, is_missing, pool_file_name, pool_states, salt_sha256
+from polykv_py.llama.state import KEY_FILE, tokens_sha256, write_prefix_file
+from polykv_py.pools import (
+    PoolCache,
+    PoolState,
+    is_missing,
+    pool_file_name,
+    pool_states,
+    tokens_mac,
+)
 
 IDENTITY = {
     "format": 2,
@@ -31,7 +42,8 @@ def test_file_names_hash_identity_tokens_and_salt() -> None:
     }
     assert name not in others and len(others) == 5
     assert "team" not in pool_file_name(IDENTITY, [1], "team-a")
-    assert salt_sha256(None) is None and salt_sha256("") is None and len(salt_sha256("x") or "") == 64
+    assert pool_file_name(IDENTITY, [1, 2, 3], "") == name, "an empty salt is no salt"
+    assert not hasattr(pools_module, "salt_sha256"), "nothing may suggest /slots shows a hash of the salt"
 
 
 def _file(cache: PoolCache, name: str, n_bytes: int, age_s: float) -> None:
@@ -65,7 +77,7 @@ def test_clear_removes_pool_files_and_partial_saves_only(tmp_path: Path) -> None
     (tmp_path / "broken.pkvpool").write_bytes(b"nope")
     assert {e.name: e.n_tokens for e in cache.entries()} == {"pool-a.pkvpool": 2, "broken.pkvpool": None}
     assert cache.clear() == 3
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [KEY_FILE, "notes.txt"], "the directory's key stays"
 
 
 def test_server_side_cache_lists_nothing(tmp_path: Path) -> None:
@@ -78,12 +90,64 @@ def test_server_side_cache_lists_nothing(tmp_path: Path) -> None:
 
 def test_pool_states_from_slots() -> None:
     slots = [
-        {"id": 0, "polykv_pool": True, "polykv_pool_state": {"n_tokens": 9, "resident": True, "tokens_sha256": "t",
-         "salt_sha256": None, "hits": 3, "sharers": 2, "last_use_s_ago": 1.5, "restored_from": "p.pkvpool"}},
+        {"id": 0, "polykv_pool": True, "polykv_pool_state": {"resident": True, "salted": False, "n_tokens": 9,
+         "tokens_sha256": "t", "tokens_mac": None, "hits": 3, "sharers": 2, "last_use_s_ago": 1.5,
+         "restored_from": "p.pkvpool"}},
         {"id": 1, "n_ctx": 100},
+        {"id": 2, "polykv_pool": True, "polykv_pool_state": {"resident": True, "salted": True, "n_tokens": None,
+         "tokens_sha256": None, "tokens_mac": "m", "hits": 0, "sharers": 0, "last_use_s_ago": None,
+         "restored_from": None}},
+        {"id": 3, "polykv_pool": True, "polykv_pool_state": {"resident": True, "salted": "mixed", "n_tokens": None,
+         "tokens_sha256": None, "tokens_mac": None, "hits": 0, "sharers": 1, "last_use_s_ago": 0.5,
+         "restored_from": None}},
     ]  # fmt: skip
-    assert pool_states(slots) == [PoolState(0, 9, True, "t", None, 3, 2, 1.5, "p.pkvpool")]
+    assert pool_states(slots) == [
+        PoolState(0, 9, True, False, "t", None, 3, 2, 1.5, "p.pkvpool"),
+        PoolState(2, None, True, True, None, "m", 0, 0, None, None),
+        PoolState(3, None, True, "mixed", None, None, 0, 1, 0.5, None),
+    ]
     assert PoolState.from_slot(slots[1]) is None
+    assert not pool_states(slots)[1].empty, "a salted resident pool hides its count but is not empty"
+
+
+def test_tokens_mac_is_hmac_sha256_keyed_with_the_salt() -> None:
+    tokens = [1, 2, 3, 70000, -1]
+    packed = b"".join(struct.pack("<i", t) for t in tokens)
+    assert tokens_mac(tokens, "team-a") == hmac.new(b"team-a", packed, hashlib.sha256).hexdigest()
+    assert tokens_mac(tokens, "équipe") == hmac.new("équipe".encode(), packed, hashlib.sha256).hexdigest()
+    assert tokens_mac(tokens, "team-a") != tokens_mac(tokens, "team-b") != tokens_sha256(tokens)
+
+
+def _state(
+    tokens: list[int], salt: str | None, *, resident: bool = True, salted: bool | str | None = None
+) -> PoolState:
+    """A /slots pool state as the server reports a pool primed with ``tokens`` under ``salt``."""
+    return PoolState(
+        slot=0,
+        n_tokens=None if salt else len(tokens),
+        resident=resident,
+        salted=bool(salt) if salted is None else salted,
+        tokens_sha256=None if salt else tokens_sha256(tokens),
+        tokens_mac=tokens_mac(tokens, salt) if salt else None,
+        hits=0,
+        sharers=0,
+        last_use_s_ago=None,
+        restored_from=None,
+    )
+
+
+def test_holds_needs_the_same_tokens_and_the_same_salt() -> None:
+    toks = [5, 6, 7]
+    plain, salted = _state(toks, None), _state(toks, "team-a")
+    assert plain.holds(toks) and plain.holds(toks, None) and plain.holds(toks, "")
+    assert not plain.holds([5, 6]) and not plain.holds(toks, "team-a"), "an unsalted pool is not a salted one"
+    assert salted.holds(toks, "team-a")
+    assert not salted.holds(toks), "a salted pool is no match without its salt"
+    assert not salted.holds(toks, "team-b") and not salted.holds([5, 6], "team-a")
+    assert not _state(toks, None, resident=False).holds(toks)
+    assert not _state(toks, "team-a", resident=False).holds(toks, "team-a")
+    assert not _state(toks, "team-a", salted="mixed").holds(toks, "team-a")
+    assert not plain.holds([]) and not PoolState(0, 0, True, False, tokens_sha256([]), None, 0, 0, None, None).holds([])
 
 
 def test_a_missing_file_is_a_miss_other_refusals_are_not() -> None:

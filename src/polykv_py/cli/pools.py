@@ -50,9 +50,14 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(f"{args.url}: no reserved pools (a patched server with --pool-slots reports them)")
     for p in pools:
         ago = "never" if p.last_use_s_ago is None else f"{p.last_use_s_ago:.1f}s ago"
-        salt = "unsalted" if p.salt_sha256 is None else f"salt sha256 {p.salt_sha256[:12]}"
+        salt = "unsalted" if p.salted is False else "salted" if p.salted is True else "cells of several salts"
         src = f", restored from {p.restored_from}" if p.restored_from else ""
-        state = f"{p.n_tokens} tokens resident" if p.resident else "not resident"
+        if not p.resident:
+            state = "not resident"
+        elif p.n_tokens is None:
+            state = "resident (its tokens are shown only to holders of its salt)"
+        else:
+            state = f"{p.n_tokens} tokens resident"
         print(f"pool slot {p.slot}: {state}, {salt}, {p.hits} hits, {p.sharers} sharers holding its cells, "
               f"last use {ago}{src}")  # fmt: skip
     return 0

@@ -424,7 +424,8 @@ def pool_file_request(
 ) -> Request[Any]:
     """``POST /slots/{slot}?action=save|restore`` of a reserved pool (patch 0075; the server needs
     ``--slot-save-path``). A restore verifies the file and, if given, that it holds ``tokens``
-    and was primed under ``cache_salt``; a refusal is HTTP 400 naming the reason."""
+    and was primed under ``cache_salt``; a refusal is HTTP 400 naming the reason (a file that does
+    not match the salt is refused without detail)."""
     return Request.post(f"/slots/{slot}?action={action}", action_body(filename, tokens=tokens, cache_salt=cache_salt))
 
 
@@ -675,9 +676,10 @@ class Client(_Base):
         """Empty ``slot``'s KV (``POST /slots/{slot}?action=erase``; the server needs ``--slot-save-path``)."""
         return self.send(erase_request(slot))
 
-    def save_pool(self, slot: int, filename: str) -> Json:
-        """Save reserved pool ``slot`` to ``filename`` in the server's ``--slot-save-path`` (atomic)."""
-        return self.send(pool_file_request("save", slot, filename))
+    def save_pool(self, slot: int, filename: str, *, cache_salt: str | None = None) -> Json:
+        """Save reserved pool ``slot`` to ``filename`` in the server's ``--slot-save-path`` (atomic;
+        ``cache_salt``: the salt the pool was primed under)."""
+        return self.send(pool_file_request("save", slot, filename, cache_salt=cache_salt))
 
     def restore_pool(
         self, slot: int, filename: str, *, tokens: Sequence[int] | None = None, cache_salt: str | None = None
@@ -686,7 +688,8 @@ class Client(_Base):
         return self.send(pool_file_request("restore", slot, filename, tokens=tokens, cache_salt=cache_salt))
 
     def pools(self) -> list[PoolState]:
-        """The reserved pools' states: tokens, salt hash, resident, hits, sharers, last use."""
+        """The reserved pools' states: resident, salted, tokens (a hash, or a MAC keyed with the salt), hits,
+        sharers, last use."""
         return pool_states(self.slots())
 
 
@@ -870,9 +873,9 @@ class AsyncClient(_Base):
         """Empty ``slot``'s KV (``POST /slots/{slot}?action=erase``)."""
         return await self.send(erase_request(slot))
 
-    async def save_pool(self, slot: int, filename: str) -> Json:
+    async def save_pool(self, slot: int, filename: str, *, cache_salt: str | None = None) -> Json:
         """Save reserved pool ``slot`` to ``filename`` (see :meth:`Client.save_pool`)."""
-        return await self.send(pool_file_request("save", slot, filename))
+        return await self.send(pool_file_request("save", slot, filename, cache_salt=cache_salt))
 
     async def restore_pool(
         self, slot: int, filename: str, *, tokens: Sequence[int] | None = None, cache_salt: str | None = None

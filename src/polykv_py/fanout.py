@@ -236,6 +236,9 @@ class SharedContext:
     ``pool_cache``: restore the pool from its file there instead of computing it, and save it
     after computing it (a server with pool files, patch 0075, whose ``--slot-save-path`` is the
     cache's directory; a server without them is primed as usual, with a warning).
+    ``cache_salt``: the pool's salt (llama.cpp's ``cache_salt``), sent on the prime, the pool
+    file's save and restore (and hashed into its name), and every agent request (unless the
+    agent's ``params`` name one): only requests with the same salt share the pool.
     """
 
     def __init__(
@@ -251,6 +254,7 @@ class SharedContext:
         keep_going: bool = True,
         server_prefix: bool | None = None,
         pool_cache: PoolCache | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.client = client
         #: where the pool lives and tokens are counted: the same server, unless requests go through a
@@ -265,6 +269,7 @@ class SharedContext:
         self.concurrency = concurrency
         self.server_prefix = server_prefix
         self.pool_cache = pool_cache if share else None
+        self.cache_salt = cache_salt or None
         self._features: PoolFeatures | None = None
         self._owns_client = False
         self._pool_prompt: str | None = None
@@ -392,8 +397,13 @@ class SharedContext:
         return Share(self.pool_slot, await self.prefix_len(agent))
 
     async def extra_body(self, agent: Agent) -> Json:
-        """The sharing fields for ``agent``, e.g. for the OpenAI client's ``extra_body``."""
-        return (await self.share_fields(agent)).fields()
+        """The sharing fields for ``agent`` (and the pool's ``cache_salt``), e.g. for the OpenAI client's
+        ``extra_body``."""
+        return {**(await self.share_fields(agent)).fields(), **self._salt()}
+
+    def _salt(self) -> Json:
+        """The ``cache_salt`` field of every request for the pool (none when unsalted)."""
+        return {"cache_salt": self.cache_salt} if self.cache_salt else {}
 
     # -- pool ---------------------------------------------------------------------
     async def prime(self, reason: str = "initial") -> PrimeResult:
@@ -410,14 +420,16 @@ class SharedContext:
             log.warning("the server has no pool files (patch 0075 with --pool-slots): priming without the pool cache")
             self.pool_cache = None
             return None
-        return pool_file_name(identity, tokens)
+        return pool_file_name(identity, tokens, self.cache_salt)
 
     async def _restore(self, name: str, tokens: list[int], reason: str) -> PrimeResult | None:
         """Restore the pool from its cache file; None on a miss or a refused file (then it is primed and saved)."""
         assert self.pool_cache is not None
         t0 = time.perf_counter()
         try:
-            answer = await self.pool_client.restore_pool(self.pool_slot, name, tokens=tokens)
+            answer = await self.pool_client.restore_pool(
+                self.pool_slot, name, tokens=tokens, cache_salt=self.cache_salt
+            )
         except HTTPError as exc:
             report_failed_restore(exc, name)
             return None
@@ -434,7 +446,8 @@ class SharedContext:
             res = await self._restore(name, tokens, reason) if name else None
             if res is None:
                 t0 = time.perf_counter()
-                answer = await self.pool_client.prime(tokens, self.pool_slot if self.pin_prime else None)
+                slot = self.pool_slot if self.pin_prime else None
+                answer = await self.pool_client.prime(tokens, slot, **self._salt())
                 wall = time.perf_counter() - t0
                 timings = answer.get("timings") or {}
                 n_computed = int(timings.get("prompt_n", len(tokens)))
@@ -463,11 +476,14 @@ class SharedContext:
         if name is None or self.pool_cache is None:
             return None
         try:
-            await self.pool_client.save_pool(self.pool_slot, name)
+            await self.pool_client.save_pool(self.pool_slot, name, cache_salt=self.cache_salt)
         except HTTPError as exc:
             log.warning("could not save pool slot %d to %s: %s", self.pool_slot, name, exc.server_message)
             return None
-        self.pool_cache.evict(keep=[name])
+        try:
+            self.pool_cache.evict(keep=[name])
+        except OSError as exc:
+            log.warning("pool cache %s: could not trim it after saving %s: %s", self.pool_cache.directory, name, exc)
         return name
 
     async def ensure_primed(self) -> None:
@@ -536,9 +552,10 @@ class SharedContext:
         return self.client.stream_events(path, body, meta=meta)
 
     def _body(self, agent: Agent, mode: Mode, share: Share | None) -> Json:
+        params = {**self._salt(), **agent.params}
         if mode == "chat":
-            return generation_body("messages", agent.messages(self.base), share, dict(agent.params))
-        return generation_body("prompt", agent.prompt(self.base), share, dict(agent.params))
+            return generation_body("messages", agent.messages(self.base), share, params)
+        return generation_body("prompt", agent.prompt(self.base), share, params)
 
     async def ask(self, agent: Agent, *, index: int = 0, t_origin: float | None = None) -> AgentResult:
         """Send one agent (streamed, to time its first token) and return its result."""

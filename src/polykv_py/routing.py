@@ -271,8 +271,9 @@ class RoutedContext(SharedContext):
     (the gateway routed an answer elsewhere, or a replica failed) places it again and is
     recorded in :attr:`moves`. ``retry``: send a request that failed on a replica again after
     the move (more than once only while the gateway still routes the key to a failed replica, for at
-    most the router's ``move_timeout``). ``cache_salt`` goes into the key. Other options as for ``SharedContext``
-    (``pool_slot`` is chosen per replica and ignored).
+    most the router's ``move_timeout``). ``cache_salt`` goes into the key and, as for ``SharedContext``, into
+    the prime, the pool file's name, its save and restore, and every agent request. Other options as for
+    ``SharedContext`` (``pool_slot`` is chosen per replica and ignored).
     """
 
     def __init__(
@@ -285,10 +286,9 @@ class RoutedContext(SharedContext):
         **kwargs: Any,
     ) -> None:
         kwargs.pop("pool_slot", None)
-        super().__init__(router.client, base, **kwargs)
+        super().__init__(router.client, base, cache_salt=cache_salt, **kwargs)
         self.router = router
         self.key = routing_key(router.model, base, cache_salt)
-        self.cache_salt = cache_salt
         self.retry = retry
         self.home: str | None = None
         self.moves: list[Move] = []

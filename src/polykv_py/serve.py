@@ -99,8 +99,11 @@ def prime_pools(
 
     ``salt`` is sent as ``cache_salt``: only requests with the same salt then share the pool.
     With ``cache`` (the server's ``--slot-save-path``) a pool whose file is there is restored
-    instead, and a computed one is saved. Logs one line per pool.
+    instead, and a computed one is saved; a save that fails (the server refuses it: disk full,
+    a read-only directory, ...) is logged as a warning naming the pool and the reason, and the
+    pool, primed, is served all the same. Logs one line per pool.
     """
+    salt = salt or None
     params: dict[str, Any] = {"cache_salt": salt} if salt else {}
     identity = client.pool_features().pool_files if cache is not None else None
     out = []
@@ -123,8 +126,7 @@ def prime_pools(
             primed = PrimedPool(pool.slot, source, n_tokens, time.perf_counter() - t0)
             if name is not None:
                 assert cache is not None
-                client.save_pool(pool.slot, name)
-                cache.evict(keep=[name])
+                _save(client, cache, pool.slot, source, name, salt)
         log.info(
             "pool slot %d: %s (%s), %d tokens %s in %.2fs%s",
             primed.slot,
@@ -137,6 +139,27 @@ def prime_pools(
         )
         out.append(primed)
     return out
+
+
+def _save(client: Client, cache: PoolCache, slot: int, source: str, name: str, salt: str | None) -> bool:
+    """Save primed pool ``slot`` to pool file ``name`` and trim the cache; a failure is logged, not raised
+    (the pool is primed: serving it does not need the file)."""
+    try:
+        client.save_pool(slot, name, cache_salt=salt)
+    except HTTPError as exc:
+        log.warning(
+            "pool slot %d (%s): could not save it to the pool cache as %s: %s; serving it without a pool file",
+            slot,
+            source,
+            name,
+            exc.server_message or exc,
+        )
+        return False
+    try:
+        cache.evict(keep=[name])
+    except OSError as exc:
+        log.warning("pool cache %s: could not trim it after saving %s: %s", cache.directory, name, exc)
+    return True
 
 
 def _restore(client: Client, slot: int, name: str, tokens: list[int], salt: str | None) -> bool:

@@ -31,6 +31,8 @@ KEY = "sk-polykv-unit-0123456789"
 FAKE_SERVER = """\
 #!{python}
 # A stand-in for llama-server: --help, /health, /props, /apply-template, /completion; records what it gets.
+# FAKE_POOL_FILES: /props names pool files, /tokenize answers, a restore is a miss (no such file) and a save
+# succeeds, or fails as a full disk would with FAKE_SAVE_FAIL.
 import json, os, signal, sys, threading, time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -62,13 +64,27 @@ class H(BaseHTTPRequestHandler):
             return self.answer(503, {{"error": {{"message": "Loading model", "code": 503}}}})
         if self.path == "/health":
             return self.answer(200, {{"status": "ok"}})
-        return self.answer(200, {{"total_slots": int(opt("-np", "4"))}})
+        props = {{"total_slots": int(opt("-np", "4"))}}
+        if os.environ.get("FAKE_POOL_FILES"):
+            props["polykv"] = {{"pool_slots": [0], "pool_auto": False, "pool_auto_min_tokens": 64,
+                                "pool_files": {{"format": 3, "model": {{"sha256": "ab" * 32}}}}}}
+        return self.answer(200, props)
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{{}}")
         note(path=self.path, body=body, auth=self.headers.get("Authorization"))
         if self.path == "/apply-template":
             text = "".join("<%s>%s</>" % (m["role"], m["content"]) for m in body["messages"])
             return self.answer(200, {{"prompt": text}})
+        if self.path == "/tokenize":
+            return self.answer(200, {{"tokens": [ord(c) for c in body["content"]]}})
+        if self.path.endswith("action=restore"):
+            why = "Unable to restore pool slot 0: no such file"
+            return self.answer(400, {{"error": {{"message": why, "code": 400}}}})
+        if self.path.endswith("action=save"):
+            if os.environ.get("FAKE_SAVE_FAIL"):
+                why = "Unable to save pool slot 0: cannot write the pool file: No space left on device"
+                return self.answer(500, {{"error": {{"message": why, "code": 500}}}})
+            return self.answer(200, {{"n_saved": 1}})
         print("fake: prompt of %d characters into slot %s" % (len(body["prompt"]), body.get("id_slot")), flush=True)
         return self.answer(200, {{"content": "", "tokens_evaluated": len(body["prompt"]), "timings": {{}}}})
 
@@ -231,6 +247,32 @@ def test_pools_are_reserved_and_primed_pinned_in_order(fake: dict[str, Any], cap
     assert posts[1]["body"] == {"messages": system_b, "add_generation_prompt": False}
     assert all(p["n_predict"] == 0 and p["cache_salt"] == "team-a" for p in primes)
     assert "pool slot 1: " + str(b) + " (chat), 21 tokens primed in" in caplog.text
+
+
+def test_a_failed_pool_save_is_a_warning_and_the_pool_is_served(
+    fake: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 26 item 7: the post-prime save fails (disk full): serve warns, names the pool and the reason, serves."""
+    doc = fake["tmp"] / "doc.md"
+    doc.write_text("document A")
+    monkeypatch.setenv("FAKE_POOL_FILES", "1")
+    monkeypatch.setenv("FAKE_SAVE_FAIL", "1")
+    cache = fake["tmp"] / "pools"
+    with caplog.at_level(logging.INFO):
+        assert serve(fake, "--pool", str(doc), "--pool-salt", "team-a", "--pool-cache", str(cache)) == 0
+    assert "polykv serve: ready at http://127.0.0.1:" in capsys.readouterr().out
+    warning = [r for r in caplog.records if r.levelno == logging.WARNING and "could not save" in r.getMessage()]
+    assert len(warning) == 1 and f"pool slot 0 ({doc})" in warning[0].getMessage()
+    assert "No space left on device" in warning[0].getMessage()
+    assert "priming the pools failed" not in caplog.text
+    posts = {e["path"].split("?")[-1]: e["body"] for e in fake["read"]() if e.get("path", "").startswith("/slots/0")}
+    assert posts["action=restore"]["cache_salt"] == "team-a" and posts["action=save"]["cache_salt"] == "team-a"
+    assert posts["action=save"]["filename"] == posts["action=restore"]["filename"]
+    primes = [e["body"] for e in fake["read"]() if e.get("path") == "/completion"]
+    assert len(primes) == 1 and primes[0]["id_slot"] == 0 and primes[0]["cache_salt"] == "team-a"
 
 
 def test_pool_auto_is_added_when_the_binary_knows_it(fake: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:

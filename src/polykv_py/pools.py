@@ -11,8 +11,8 @@ This module has the requests, the pool states ``/slots`` reports (:class:`PoolSt
 pool shows only a MAC of its tokens keyed with the salt, so only a holder of the salt can tell
 what it holds), the file names (a hash of the model's identity, the KV layout, the tokens and
 the salt: never user text) and :class:`PoolCache`, a directory of pool files with a size limit
-(least recently used files go first) that ``polykv run``, ``polykv serve`` and the fan-out API
-share.
+(partial files of killed saves go first, then the least recently used files) that
+``polykv run``, ``polykv serve`` and the fan-out API share.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import hmac
 import json
 import logging
 import os
+import stat
 import struct
 import time
 from collections.abc import Sequence
@@ -40,6 +41,11 @@ Json = dict[str, Any]
 
 #: Suffix of the files :func:`pool_file_name` names.
 POOL_FILE_SUFFIX = ".pkvpool"
+#: What the name of a partial file (a save in progress, or one a killed save left) contains.
+PARTIAL_MARK = f"{POOL_FILE_SUFFIX}.part."
+#: Partial files younger than this (seconds since their last write) may be saves in progress:
+#: :meth:`PoolCache.evict` leaves them alone (:meth:`PoolCache.clear` does not).
+PARTIAL_MIN_AGE_S = 600.0
 #: Default size limit of a :class:`PoolCache` (``$POLYKV_POOL_CACHE_MAX_MB`` overrides it).
 DEFAULT_MAX_BYTES = 8 * 2**30
 MAX_ENV = "POLYKV_POOL_CACHE_MAX_MB"
@@ -168,12 +174,12 @@ def report_failed_restore(exc: HTTPError, name: str) -> None:
 
 @dataclass(frozen=True)
 class PoolCacheEntry:
-    """One file of a :class:`PoolCache`."""
+    """One file of a :class:`PoolCache` (or a partial file a save is writing or a killed save left)."""
 
     name: str
     size: int
     last_use: float  # the file's mtime: set when it is written or restored
-    n_tokens: int | None  # None: the header is unreadable (damaged or not a pool file)
+    n_tokens: int | None  # None: the header is unreadable (damaged or not a pool file), or a partial file
     model: str | None  # the model's description
     created_by: str | None
 
@@ -188,13 +194,35 @@ class PoolCacheEntry:
         }
 
 
+def _describe(path: Path) -> tuple[int | None, str | None, str | None]:
+    """(n_tokens, model description, created_by) from a pool file's header; all None when it cannot be
+    read or is malformed, whatever is in it (a header nested too deep for the JSON parser included)."""
+    try:
+        header = read_prefix_header(path)
+    except (StateError, OSError, ValueError, RecursionError, MemoryError):
+        return None, None, None
+    if not isinstance(header, dict):
+        return None, None, None
+    n = header.get("n_tokens")
+    model = header.get("model")
+    description = model.get("description") if isinstance(model, dict) else None
+    by = header.get("created_by")
+    return (
+        n if isinstance(n, int) and not isinstance(n, bool) else None,
+        description if isinstance(description, str) else None,
+        by if isinstance(by, str) else None,
+    )
+
+
 class PoolCache:
     """A directory of pool files, also the server's ``--slot-save-path``.
 
     ``directory=None`` means the save path of a server this process did not start: files are
     saved and restored there by name, and nothing is listed or removed from here. ``max_bytes``
-    bounds the directory: after a save the least recently used files (not the one just written)
-    are removed until the rest fit.
+    bounds the directory, partial files (``*.pkvpool.part.*``: a save in progress, or what a
+    killed one left) included: after a save, partial files not written to for
+    :data:`PARTIAL_MIN_AGE_S` go first (oldest first), then the least recently used pool files
+    (not the one just written), until the rest fit.
     """
 
     def __init__(self, directory: str | os.PathLike[str] | None, max_bytes: int | None = None) -> None:
@@ -203,8 +231,8 @@ class PoolCache:
         self.max_bytes = max_bytes if max_bytes is not None else int(env) * 2**20 if env else DEFAULT_MAX_BYTES
         if self.max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, not {self.max_bytes}")
-        if self.directory is not None:
-            self.directory.mkdir(parents=True, exist_ok=True)
+        if self.directory is not None:  # the server refuses a directory its group or others can write
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
 
     @classmethod
     def default(cls, max_bytes: int | None = None) -> PoolCache:
@@ -216,30 +244,41 @@ class PoolCache:
         """The ``--slot-save-path`` a server started for this cache needs (with its trailing slash)."""
         return None if self.directory is None else f"{self.directory}{os.sep}"
 
-    def _files(self) -> list[Path]:
+    def _listing(self) -> list[tuple[Path, os.stat_result]]:
+        """Regular files of the directory (not following symlinks) with their stat, sorted by name;
+        a file removed while listing is left out."""
         if self.directory is None:
             return []
-        return sorted(p for p in self.directory.iterdir() if p.is_file() and p.name.endswith(POOL_FILE_SUFFIX))
+        out = []
+        for p in sorted(self.directory.iterdir()):
+            with contextlib.suppress(FileNotFoundError):
+                st = p.lstat()
+                if stat.S_ISREG(st.st_mode):
+                    out.append((p, st))
+        return out
 
     def entries(self) -> list[PoolCacheEntry]:
-        """The pool files, most recently used first."""
+        """The pool files, most recently used first (an unreadable one has ``n_tokens`` None)."""
         out = []
-        for p in self._files():
-            st = p.stat()
-            try:
-                header = read_prefix_header(p)
-                n, model, by = (
-                    header.get("n_tokens"),
-                    (header.get("model") or {}).get("description"),
-                    header.get("created_by"),
-                )
-            except StateError:
-                n = model = by = None
-            out.append(PoolCacheEntry(p.name, st.st_size, st.st_mtime, n, model, by))
+        for p, st in self._listing():
+            if p.name.endswith(POOL_FILE_SUFFIX):
+                out.append(PoolCacheEntry(p.name, st.st_size, st.st_mtime, *_describe(p)))
         return sorted(out, key=lambda e: e.last_use, reverse=True)
 
+    def partials(self) -> list[PoolCacheEntry]:
+        """Partial files (saves in progress, or left by killed ones), oldest first."""
+        out = [
+            PoolCacheEntry(p.name, st.st_size, st.st_mtime, None, None, None)
+            for p, st in self._listing()
+            if PARTIAL_MARK in p.name
+        ]
+        return sorted(out, key=lambda e: e.last_use)
+
     def total_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self._files())
+        """Bytes of the pool files and the partial files."""
+        return sum(
+            st.st_size for p, st in self._listing() if p.name.endswith(POOL_FILE_SUFFIX) or PARTIAL_MARK in p.name
+        )
 
     def touch(self, name: str) -> None:
         """Mark ``name`` as used now (its mtime), so eviction keeps it longest."""
@@ -247,31 +286,46 @@ class PoolCache:
             with contextlib.suppress(FileNotFoundError):
                 os.utime(self.directory / name)
 
-    def evict(self, keep: Sequence[str] = ()) -> list[PoolCacheEntry]:
-        """Remove least recently used files (never those in ``keep``) until the rest fit ``max_bytes``."""
+    def _remove(self, e: PoolCacheEntry, why: str) -> bool:
+        assert self.directory is not None
+        try:
+            (self.directory / e.name).unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("pool cache: could not remove %s: %s", e.name, exc)
+            return False
+        log.info("pool cache: removed %s (%d bytes, %s) to stay under %d bytes", e.name, e.size, why, self.max_bytes)
+        return True
+
+    def evict(self, keep: Sequence[str] = (), *, now: float | None = None) -> list[PoolCacheEntry]:
+        """Remove files until the rest fit ``max_bytes``: first partial files not written to for
+        :data:`PARTIAL_MIN_AGE_S` (oldest first; younger ones may be saves in progress), then the
+        least recently used pool files (never those in ``keep``). A file that cannot be removed is
+        logged and skipped."""
         removed: list[PoolCacheEntry] = []
-        entries = self.entries()
-        total = sum(e.size for e in entries)
-        for e in reversed(entries):  # least recently used first
+        entries, partials = self.entries(), self.partials()
+        total = sum(e.size for e in entries) + sum(e.size for e in partials)
+        now = time.time() if now is None else now
+        stale = [e for e in partials if now - e.last_use >= PARTIAL_MIN_AGE_S]
+        candidates = [(e, "partial file of an interrupted save") for e in stale]
+        candidates += [(e, "least recently used") for e in reversed(entries) if e.name not in keep]
+        for e, why in candidates:
             if total <= self.max_bytes:
                 break
-            if e.name in keep:
-                continue
-            assert self.directory is not None
-            (self.directory / e.name).unlink(missing_ok=True)
-            total -= e.size
-            removed.append(e)
-            log.info("pool cache: removed %s (%d bytes, least recently used) to stay under %d bytes",
-                     e.name, e.size, self.max_bytes)  # fmt: skip
+            if self._remove(e, why):
+                total -= e.size
+                removed.append(e)
         return removed
 
     def clear(self) -> int:
-        """Remove every pool file and every partial file a killed save left; returns how many."""
+        """Remove every pool file and every partial file (whatever its age); returns how many."""
         if self.directory is None:
             return 0
         n = 0
         for p in self.directory.iterdir():
-            if p.is_file() and (p.name.endswith(POOL_FILE_SUFFIX) or f"{POOL_FILE_SUFFIX}.part." in p.name):
-                p.unlink(missing_ok=True)
-                n += 1
+            if not (p.name.endswith(POOL_FILE_SUFFIX) or PARTIAL_MARK in p.name):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_ISREG(p.lstat().st_mode) or p.is_symlink():  # a link goes, not what it points to
+                    p.unlink()
+                    n += 1
         return n

@@ -6,14 +6,17 @@ import hashlib
 import hmac
 import os
 import struct
+import time
 from pathlib import Path
 
 import pytest
 
 from polykv_py import pools as pools_module
+from polykv_py.cli import app as cli
 from polykv_py.errors import HTTPError
-from polykv_py.llama.state import KEY_FILE, tokens_sha256, write_prefix_file
+from polykv_py.llama.state import KEY_FILE, MAGIC, tokens_sha256, write_prefix_file
 from polykv_py.pools import (
+    PARTIAL_MIN_AGE_S,
     PoolCache,
     PoolState,
     is_missing,
@@ -154,3 +157,64 @@ def test_a_missing_file_is_a_miss_other_refusals_are_not() -> None:
     assert is_missing(HTTPError(400, "Unable to restore pool slot 0: no such file"))
     assert not is_missing(HTTPError(400, "Unable to restore pool slot 0: saved from another model"))
     assert not is_missing(HTTPError(501, "no such file"))
+
+
+def test_a_header_nested_too_deep_is_an_unreadable_entry(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """json.loads raises RecursionError (not ValueError) on deep nesting: `pools list` must list the file, not crash."""
+    cache = PoolCache(tmp_path)
+    _file(cache, "pool-good.pkvpool", 10, 0)
+    body = b"[" * 100_000
+    (tmp_path / "pool-deep.pkvpool").write_bytes(MAGIC + struct.pack("<I", len(body)) + body)
+    odd = b'{"format":3,"model":7,"n_tokens":"x","created_by":[]}'  # well-formed JSON, wrong types
+    (tmp_path / "pool-odd.pkvpool").write_bytes(MAGIC + struct.pack("<I", len(odd)) + odd)
+    assert {e.name: e.n_tokens for e in cache.entries()} == {
+        "pool-good.pkvpool": 2,
+        "pool-deep.pkvpool": None,
+        "pool-odd.pkvpool": None,
+    }
+    assert cli.main(["pools", "list", "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "pool-deep.pkvpool" in out and "unreadable header" in out
+
+
+def _partial(directory: Path, name: str, n_bytes: int, age_s: float) -> Path:
+    path = directory / name
+    path.write_bytes(b"\0" * n_bytes)
+    t = time.time() - age_s
+    os.utime(path, (t, t))
+    return path
+
+
+def test_partial_files_count_and_stale_ones_are_evicted_first(tmp_path: Path) -> None:
+    cache = PoolCache(tmp_path, max_bytes=20_000)
+    _file(cache, "pool-a.pkvpool", 1000, 30)
+    old = PARTIAL_MIN_AGE_S
+    _partial(tmp_path, "pool-b.pkvpool.part.111", 3000, old + 100)  # killed long ago
+    _partial(tmp_path, "pool-c.pkvpool.part.222", 2000, old + 50)  # killed, more recently
+    _partial(tmp_path, "pool-d.pkvpool.part.333", 4000, 5)  # maybe a save in progress
+    pool_bytes = (tmp_path / "pool-a.pkvpool").stat().st_size
+    assert cache.total_bytes() == pool_bytes + 9000
+    assert [e.name for e in cache.partials()] == [
+        "pool-b.pkvpool.part.111",
+        "pool-c.pkvpool.part.222",
+        "pool-d.pkvpool.part.333",
+    ]
+    assert [e.name for e in cache.entries()] == ["pool-a.pkvpool"], "partial files are not pool files"
+    assert cache.evict() == [], "under the limit nothing goes"
+
+    cache.max_bytes = pool_bytes + 5000  # over by 4000: the oldest stale partial (3000) is not enough
+    removed = cache.evict()
+    assert [e.name for e in removed] == ["pool-b.pkvpool.part.111", "pool-c.pkvpool.part.222"]
+    assert (tmp_path / "pool-a.pkvpool").exists(), "stale partial files go before any pool file"
+
+    cache.max_bytes = 0  # only the young partial and the pool file are left
+    assert [e.name for e in cache.evict()] == ["pool-a.pkvpool"]
+    assert [e.name for e in cache.partials()] == ["pool-d.pkvpool.part.333"], "a save in progress is never evicted"
+    assert [e.name for e in cache.evict(now=time.time() + PARTIAL_MIN_AGE_S)] == ["pool-d.pkvpool.part.333"]
+
+
+def test_clear_removes_young_partial_files_too(tmp_path: Path) -> None:
+    cache = PoolCache(tmp_path, max_bytes=0)
+    _partial(tmp_path, "pool-d.pkvpool.part.333", 100, 1)
+    assert cache.evict() == [] and cache.total_bytes() == 100
+    assert cache.clear() == 1 and cache.total_bytes() == 0

@@ -16,12 +16,19 @@ def _cache(args: argparse.Namespace) -> PoolCache:
 
 def _cmd_list(args: argparse.Namespace) -> int:
     cache = _cache(args)
-    entries = cache.entries()
+    entries, partials = cache.entries(), cache.partials()
     if args.json:
-        doc = {"directory": str(cache.directory), "max_bytes": cache.max_bytes, "files": [e.to_json() for e in entries]}
+        doc = {
+            "directory": str(cache.directory),
+            "max_bytes": cache.max_bytes,
+            "total_bytes": cache.total_bytes(),
+            "files": [e.to_json() for e in entries],
+            "partial_files": [e.to_json() for e in partials],
+        }
         print(json.dumps(doc, indent=2))
         return 0
-    print(f"pool cache {cache.directory}: {len(entries)} file(s), {cache.total_bytes() / 2**20:.1f} MiB "
+    part = f" (and {len(partials)} partial file(s) of saves in progress or killed)" if partials else ""
+    print(f"pool cache {cache.directory}: {len(entries)} file(s){part}, {cache.total_bytes() / 2**20:.1f} MiB "
           f"of {cache.max_bytes / 2**20:.0f} MiB")  # fmt: skip
     for e in entries:
         j = e.to_json()

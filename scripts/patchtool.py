@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -151,7 +152,7 @@ def series_hash(patches: list[Path] | None = None, native_dir: Path | None = Non
 def created_files(patch: Path) -> list[str]:
     """Files a patch creates (``--- /dev/null``): none are allowed, polykv's code lives in native/."""
     lines = patch.read_text().splitlines()
-    return [b[6:] for a, b in zip(lines, lines[1:], strict=False) if a == "--- /dev/null" and b.startswith("+++ b/")]
+    return [b[6:] for a, b in itertools.pairwise(lines) if a == "--- /dev/null" and b.startswith("+++ b/")]
 
 
 def _git_apply(tree: Path, patch: Path, *extra: str) -> subprocess.CompletedProcess[str]:

@@ -46,6 +46,8 @@ READ_FORMATS = (3,)
 KEY_FILE = ".polykv-pool.key"
 KEY_BYTES = 32
 MAC_BYTES = 32
+#: The longest header read (the server's cap too): the token list as JSON, ~20M tokens.
+MAX_HEADER = 256 << 20
 
 
 def tokens_sha256(tokens: Sequence[int]) -> str:
@@ -168,6 +170,8 @@ def _read_header(path: str | os.PathLike[str]) -> tuple[dict[str, Any], int]:
             if len(head) < len(MAGIC) + 4 or head[: len(MAGIC)] != MAGIC:
                 raise StateError(f"{path} is not a polykv prefix file (bad magic)")
             (n,) = struct.unpack("<I", head[len(MAGIC) :])
+            if n > MAX_HEADER:
+                raise StateError(f"{path}: damaged file (header length {n} beyond {MAX_HEADER})")
             header = json.loads(f.read(n))
     except OSError as exc:
         raise StateError(f"cannot read prefix file {path}: {exc}") from exc
@@ -268,7 +272,7 @@ def _read_verified(path: str | os.PathLike[str]) -> tuple[dict[str, Any], bytes]
         )
     (n,) = struct.unpack("<I", raw[len(MAGIC) : len(MAGIC) + 4])
     offset = len(MAGIC) + 4 + n
-    if offset > len(raw) - MAC_BYTES:
+    if n > MAX_HEADER or offset > len(raw) - MAC_BYTES:
         raise StateError(f"{path}: damaged file (header length beyond the file)")
     try:
         header = json.loads(raw[len(MAGIC) + 4 : offset])

@@ -210,7 +210,7 @@ def test_reprime_under_another_salt_recomputes(auto_server: str) -> None:
 def test_props_polykv_object(auto_server: str) -> None:
     props = httpx.get(auto_server + "/props", timeout=30, trust_env=False).json()
     files = props["polykv"].pop("pool_files")  # what a pool file must match here (patch 0075)
-    assert files["format"] == 2 and set(files) == {"format", "model", "kv"}
+    assert files["format"] == 3 and set(files) == {"format", "model", "kv", "settings"} and files["settings"] == {}
     assert props["polykv"] == {"pool_slots": [0], "pool_auto": True, "pool_auto_min_tokens": MIN_TOKENS}
 
 

@@ -458,14 +458,30 @@ std::string polykv_json_salt(const json & v) {
     return s;
 }
 
-// the CPU backend's entry points of patch 0076, by name: the server does not link ggml-cpu itself
-static void * polykv_cpu_proc(const char * name) {
-    ggml_backend_reg_t reg = ggml_backend_reg_by_name("CPU");
-    return reg ? ggml_backend_reg_get_proc_address(reg, name) : nullptr;
+// the CPU backend's entry points of patch 0076, looked up by name once (the server does not link ggml-cpu itself;
+// the backend registry is filled before the model loads, and a process has one CPU backend)
+struct polykv_cpu_entries {
+    void (*set)(bool)         = nullptr;
+    bool (*get)(void)         = nullptr;
+    void (*stats)(uint64_t *) = nullptr;
+
+    polykv_cpu_entries() {
+        ggml_backend_reg_t reg = ggml_backend_reg_by_name("CPU");
+        if (reg) {
+            set   = (void (*)(bool)) ggml_backend_reg_get_proc_address(reg, "ggml_backend_cpu_polykv_set_shared_decode");
+            get   = (bool (*)(void)) ggml_backend_reg_get_proc_address(reg, "ggml_backend_cpu_polykv_get_shared_decode");
+            stats = (void (*)(uint64_t *)) ggml_backend_reg_get_proc_address(reg, "ggml_backend_cpu_polykv_shared_decode_stats");
+        }
+    }
+};
+
+static const polykv_cpu_entries & polykv_cpu() {
+    static const polykv_cpu_entries entries;
+    return entries;
 }
 
 bool polykv_shared_decode_init(const common_params & params_base) {
-    auto set = (void (*)(bool)) polykv_cpu_proc("ggml_backend_cpu_polykv_set_shared_decode");
+    auto set = polykv_cpu().set;
     if (!set) {
         if (params_base.polykv_shared_decode) {
             SRV_ERR("%s", "--shared-decode: this build's CPU backend has no shared-prefix decode path\n");
@@ -487,8 +503,8 @@ bool polykv_shared_decode_init(const common_params & params_base) {
 }
 
 json polykv_shared_decode_state() {
-    auto get   = (bool (*)(void)) polykv_cpu_proc("ggml_backend_cpu_polykv_get_shared_decode");
-    auto stats = (void (*)(uint64_t *)) polykv_cpu_proc("ggml_backend_cpu_polykv_shared_decode_stats");
+    auto get   = polykv_cpu().get;
+    auto stats = polykv_cpu().stats;
     if (!get || !stats) {
         return json(nullptr);
     }

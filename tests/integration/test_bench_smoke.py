@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from polykv_py.harness import multiturn
+from bench import multiturn
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""Load: agents in rounds over a reserved pool (the full 64-agent, 10-round run is bench/bench_reliability.py).
+"""Load: agents in rounds over a reserved pool (the full 64-agent, 10-round run is bench/reliability.py).
 
 CI-sized: 4 agent slots, a 512-token pool (the sample design document, cut), 12 agents each asking
 its own question about it, 2 rounds. Each round must have no error, no prefix recomputed (a hit, or

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.systems import SYSTEMS
 from polykv_py.cli import app as cli
 from polykv_py.harness import gate
-from polykv_py.harness.systems import SYSTEMS
 from polykv_py.presets import (
     NO_SHARED_DECODE,
     POOL_AUTO,

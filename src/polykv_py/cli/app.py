@@ -131,9 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
     gate.add_arguments(p)
     p.set_defaults(func=_cmd_gate)
 
-    from .fanout import register as register_fanout
+    from .fanout import register as register_run
 
-    register_fanout(sub)  # `polykv run` (the main job) and `polykv bench`
+    register_run(sub)  # `polykv run`: the main job
+
+    from .bench import register as register_bench
+
+    register_bench(sub)  # `polykv bench`: the fan-out benchmark of a source checkout
 
     from .pools import register as register_pools
 
@@ -147,7 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if rest:
+        if not hasattr(args, "forward_args"):  # only `polykv bench` hands its arguments on
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        args.forward_args = rest
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
     )

@@ -39,8 +39,8 @@ from polykv_py.errors import PolykvError
 from polykv_py.fanout import Agent, BaseContext, SharedContext
 from polykv_py.harness.kvcells import KV_METHOD, KVCellsLog
 from polykv_py.harness.texts import Detokenize, Tokenize, cut_to_tokens, repeat_to_tokens
+from polykv_py.llama_server import LlamaServer
 from polykv_py.results import FanoutResult
-from polykv_py.server import LlamaServer
 
 from . import RESULTS
 from .machine import cpu_model, load_avg

@@ -33,9 +33,9 @@ from polykv_py.data.questions import QUESTIONS
 from polykv_py.errors import PolykvError
 from polykv_py.fanout import Agent, BaseContext, SharedContext
 from polykv_py.harness.kvcells import KVCellsLog
+from polykv_py.llama_server import LlamaServer
 from polykv_py.native import ServerKind
 from polykv_py.results import FanoutResult
-from polykv_py.server import LlamaServer
 
 from . import RESULTS
 from .fanout import base_text, round_up

@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from polykv_py.llama_server import LlamaServer
 from polykv_py.native import ServerKind
 from polykv_py.presets import (
     NO_CLEAR_IDLE,
@@ -41,7 +42,6 @@ from polykv_py.presets import (
     slot_actions_args,
     slots_args,
 )
-from polykv_py.server import LlamaServer
 
 Budget = Literal["copies", "shared"]
 

@@ -300,7 +300,7 @@ class SharedContext:
 
         ``timeout``: seconds a request may wait for the next bytes; ``max_connections``
         bounds the requests in flight at the HTTP level (keep it >= ``concurrency``).
-        ``server``: the :class:`~polykv_py.server.LlamaServer` behind ``url``, if any: a failed
+        ``server``: the :class:`~polykv_py.llama_server.LlamaServer` behind ``url``, if any: a failed
         request then says whether the process exited, with its exit status and log tail.
         """
         client = AsyncClient(url, api_key=api_key, timeout=timeout, max_connections=max_connections, server=server)
@@ -713,7 +713,7 @@ def run_fanout(
     api_key: str | None = None,
     **kwargs: Any,
 ) -> FanoutResult:
-    """Run a fan-out synchronously. ``server`` is a URL or a running :class:`~polykv_py.server.LlamaServer`.
+    """Run a fan-out synchronously. ``server`` is a URL or a running :class:`~polykv_py.llama_server.LlamaServer`.
 
     ``kwargs`` go to :class:`SharedContext` (``pool_slot``, ``concurrency``, ``share`` ...).
     """

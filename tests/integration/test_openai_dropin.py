@@ -32,9 +32,9 @@ import pytest
 
 from polykv_py.client import Client, PoolFeatures
 from polykv_py.data import sample_document
+from polykv_py.llama_server import LlamaServer
 from polykv_py.presets import reference_server, serve_server
 from polykv_py.serve import PoolSpec, prime_pools
-from polykv_py.server import LlamaServer
 
 pytestmark = pytest.mark.integration
 

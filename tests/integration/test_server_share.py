@@ -23,8 +23,8 @@ from polykv_py.client import Client, Share
 from polykv_py.errors import HTTPError
 from polykv_py.harness.answers import compare
 from polykv_py.harness.compare import LAYOUT, compare_greedy
+from polykv_py.llama_server import LlamaServer
 from polykv_py.presets import NO_CACHE_IDLE, NO_CLEAR_IDLE, UNIFIED_KV, pool_server, reference_server, slots_args
-from polykv_py.server import LlamaServer
 
 pytestmark = pytest.mark.integration
 

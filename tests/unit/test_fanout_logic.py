@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from polykv_py.cli.fanout import finalize_agents, parse_agents
+from polykv_py.cli.run import finalize_agents, parse_agents
 from polykv_py.fanout import (
     Agent,
     BaseContext,
@@ -173,7 +173,7 @@ def test_fanout_result_numbers() -> None:
 def _parser():  # type: ignore[no-untyped-def]
     import argparse
 
-    from polykv_py.cli.fanout import register
+    from polykv_py.cli.run import register
 
     parser = argparse.ArgumentParser(prog="polykv")
     register(parser.add_subparsers(dest="command", required=True))
@@ -181,7 +181,7 @@ def _parser():  # type: ignore[no-untyped-def]
 
 
 def test_register_adds_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from polykv_py.cli.fanout import _collect_agents
+    from polykv_py.cli.run import _collect_agents
 
     agents_file = tmp_path / "agents.txt"
     agents_file.write_text("# c\nOne?\nTwo?\n")

@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     gate.add_arguments(p)
     p.set_defaults(func=_cmd_gate)
 
-    from .fanout import register as register_run
+    from .run import register as register_run
 
     register_run(sub)  # `polykv run`: the main job
 

@@ -47,10 +47,10 @@ from typing import Any
 
 from ..client import AsyncClient, Client, Share, aggregate
 from ..errors import PolykvError
+from ..llama_server import LlamaServer
 from ..models import resolve_model
 from ..native import ServerKind, server_binary
 from ..presets import NO_CACHE_IDLE, NO_CLEAR_IDLE, UNIFIED_KV, slots_args
-from ..server import LlamaServer
 from ..tokens import common_prefix_len
 from .answers import SHARE_FIELDS, VOLATILE_FIELDS, Answer, compare
 from .compare import LAYOUT, compare_greedy

@@ -39,7 +39,7 @@ from typing import Any
 from ..client import AsyncClient, Share
 from ..data import sample_document
 from ..data.questions import QUESTIONS
-from ..server import LlamaServer
+from ..llama_server import LlamaServer
 from .compare import LAYOUT, compare_greedy
 from .kvcells import KVCellsLog
 from .texts import Detokenize, Tokenize, repeat_to_tokens

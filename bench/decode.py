@@ -31,9 +31,9 @@ from polykv_py.client import AsyncClient
 from polykv_py.fanout import Agent, BaseContext, SharedContext
 
 from . import RESULTS
-from .fanout import round_up
+from .fanout import engine_params, round_up
 from .machine import load_avg, machine
-from .multiturn import QUESTION_TOKENS, TurnsConfig, base_for, question_block
+from .multiturn import QUESTION_TOKENS, base_for, question_block
 from .systems import SYSTEMS, UPSTREAM_DECODE, System, start_system_server
 
 log = logging.getLogger(__name__)
@@ -94,18 +94,14 @@ def run_cell(system: System, cell: DecodeCell, base: str, *, threads: int, model
 
 def engine_cell(cell: DecodeCell, base: str, *, threads: int, model: str | None) -> list[dict[str, Any]]:
     """The same cell in-process: one engine, the switch off then on (the prefix decoded once)."""
-    import dataclasses
-
-    from polykv_py.engine import GenerationParams, SharedPrefixEngine
+    from polykv_py.engine import SharedPrefixEngine
     from polykv_py.llama import Model, set_shared_decode, shared_decode_stats
 
     suffixes = [question_block(i, 0)[0] for i in range(cell.n)]
     out = []
     with Model(model) as mdl:
         p_tok = len(mdl.vocab.tokenize(base))
-        params = SharedPrefixEngine.context_params(cell.n, p_tok, QUESTION_TOKENS + 2, cell.gen)
-        params = dataclasses.replace(params, n_threads=threads, n_threads_batch=threads, flash_attn="on")
-        gp = GenerationParams(max_tokens=cell.gen, ignore_eos=True)
+        params, gp = engine_params(cell.n, p_tok, QUESTION_TOKENS, cell.gen, threads, flash_attn="on")
         with SharedPrefixEngine(mdl, params) as eng:
             for name, on in (("engine", False), ("engine_shared_decode", True)):
                 set_shared_decode(on)
@@ -162,7 +158,7 @@ def run_grid(
     bases: dict[int, str] = {}
     for cell in cells:
         if cell.p not in bases:
-            bases[cell.p] = base_for(cell.p, TurnsConfig(1, 1, cell.p, gen, threads, model))
+            bases[cell.p] = base_for(cell.p, model)
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in DECODE_SYSTEMS}
         for _ in range(repeat if cell.kind == "step" else 1):  # off and on alternate, a fresh server each
             for system in DECODE_SYSTEMS.values():
@@ -181,7 +177,7 @@ def run_grid(
     if engine:
         cell = DecodeCell(engine[0], engine[1], gen, "engine")
         if cell.p not in bases:
-            bases[cell.p] = base_for(cell.p, TurnsConfig(1, 1, cell.p, gen, threads, model))
+            bases[cell.p] = base_for(cell.p, model)
         say(f"decode: in-process engine P={cell.p} N={cell.n} G={gen}, off then on ...")
         doc["cells"] += engine_cell(cell, bases[cell.p], threads=threads, model=model)
     doc["machine"]["load_avg_end"] = load_avg()

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import mean, median
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 from polykv_py.client import AsyncClient
 from polykv_py.data import sample_document
@@ -46,6 +46,10 @@ from . import RESULTS
 from .machine import cpu_model, load_avg
 from .systems import SYSTEMS as SERVER_SYSTEMS
 from .systems import System, start_system_server
+
+if TYPE_CHECKING:  # the engine loads the native extension: only its cells import it
+    from polykv_py.engine import GenerationParams
+    from polykv_py.llama import ContextParams
 
 log = logging.getLogger(__name__)
 
@@ -293,10 +297,23 @@ def _last_lines(text: str, n: int = 4, limit: int = 600) -> str:
     return " | ".join(text.strip().splitlines()[-n:])[-limit:]
 
 
+def engine_params(
+    n: int, p: int, s: int, gen: int, threads: int, **context: Any
+) -> tuple[ContextParams, GenerationParams]:
+    """An in-process engine cell's context and generation parameters: N agents over a ``p``-token prefix,
+    suffixes of ``s`` tokens at most (plus a margin of 2), ``gen`` tokens each with
+    EOS ignored, on ``threads`` threads; ``context``: other :class:`~polykv_py.llama.ContextParams` fields."""
+    from polykv_py.engine import GenerationParams, SharedPrefixEngine
+
+    params = SharedPrefixEngine.context_params(n, p, s + 2, gen)
+    params = dataclasses.replace(params, n_threads=threads, n_threads_batch=threads, **context)
+    return params, GenerationParams(max_tokens=gen, ignore_eos=True)
+
+
 def _engine_child(job: Json) -> Json:
     import resource
 
-    from polykv_py.engine import GenerationParams, SharedPrefixEngine
+    from polykv_py.engine import SharedPrefixEngine
     from polykv_py.llama import Model
 
     n, gen = job["n"], job["gen"]
@@ -305,9 +322,7 @@ def _engine_child(job: Json) -> Json:
         vocab = model.vocab
         p_tok = len(vocab.tokenize(job["base"]))
         s_tok = max(len(vocab.tokenize(job["base"] + s)) for sfx in job["suffixes"] for s in sfx) - p_tok
-        params = SharedPrefixEngine.context_params(n, p_tok, s_tok + 2, gen)
-        params = dataclasses.replace(params, n_threads=job["threads"], n_threads_batch=job["threads"])
-        gp = GenerationParams(max_tokens=gen, ignore_eos=True)
+        params, gp = engine_params(n, p_tok, s_tok, gen, job["threads"])
         rounds = []
         with SharedPrefixEngine(model, params) as eng:
             for r in range(job["rounds"]):

@@ -176,10 +176,11 @@ def run_cell(system_name: str, cfg: TurnsConfig, base: str) -> dict[str, Any]:
 CHECKPOINTS = (1, 4, 16)
 
 
-def base_for(p: int, cfg: TurnsConfig) -> str:
-    """A base of about ``p`` tokens (the sample document repeated and cut), tokenized by a small server."""
+def base_for(p: int, model: str | None = None) -> str:
+    """A base of about ``p`` tokens (the sample document repeated and cut), tokenized by a small server
+    of ``model`` (default: the default model)."""
     with LlamaServer(
-        kind=ServerKind.UPSTREAM, model=cfg.model, args=["-np", "1", "-c", "512"], threads=1, name="turns-tokenizer"
+        kind=ServerKind.UPSTREAM, model=model, args=["-np", "1", "-c", "512"], threads=1, name="turns-tokenizer"
     ) as srv:
         return base_text(p, srv.client.tokenize, srv.client.detokenize)
 
@@ -214,7 +215,7 @@ def run_grid(
         "cells": [],
     }
     for p in ps:
-        base = base_for(p, TurnsConfig(1, 1, p, gen, threads, model))
+        base = base_for(p, model)
         for n in ns:
             cfg = TurnsConfig(n, turns, p, gen, threads, model, timeout)
             for name in systems:

@@ -161,11 +161,6 @@ def pool_p(client: Client, api: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("dropin-logs")
-
-
-@pytest.fixture(scope="module")
 def patched(patched_server_bin: Path, model_path: Path, logs: Path) -> Iterator[LlamaServer]:
     srv = serve_server(N_POOLS, agent_slots=AGENT_SLOTS, ctx=CTX, threads=2, slot_actions=True,
                        binary=patched_server_bin, model=model_path, log_dir=logs, name="dropin")  # fmt: skip

@@ -74,17 +74,8 @@ def start(bin_: Path, model: Path, logs: Path, args: list[str], name: str = "poo
 
 
 @pytest.fixture(scope="module")
-def save_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("pool-files")
-    d.chmod(0o700)  # the server refuses a pool directory its group or others can write
-    return d
-
-
-@pytest.fixture(scope="module")
-def srv(
-    patched_server_bin: Path, model_path: Path, save_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[LlamaServer]:
-    s = start(patched_server_bin, model_path, tmp_path_factory.mktemp("logs"), server_args(save_dir))
+def srv(patched_server_bin: Path, model_path: Path, save_dir: Path, logs: Path) -> Iterator[LlamaServer]:
+    s = start(patched_server_bin, model_path, logs, server_args(save_dir))
     try:
         yield s
     finally:

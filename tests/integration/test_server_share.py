@@ -106,11 +106,6 @@ def start(binary: Path, model: Path, args: list[str], logs: Path, name: str) -> 
 
 
 @pytest.fixture(scope="module")
-def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("share-logs")
-
-
-@pytest.fixture(scope="module")
 def patched(patched_server_bin: Path, model_path: Path, logs: Path) -> Iterator[LlamaServer]:
     # no host prompt cache: both servers must hold exactly the same KV state, and no reserved pool slot:
     # both must schedule an unpinned request alike (see test_without_fields_...)

@@ -68,11 +68,6 @@ def refused_like_plain(c: Client, reason: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("unsupported")
-
-
-@pytest.fixture(scope="module")
 def context_shift(patched_server_bin: Path, model_path: Path, logs: Path) -> Iterator[LlamaServer]:
     with pool_like(patched_server_bin, model_path, logs, "context-shift", ["--context-shift"]) as srv:
         yield srv

@@ -24,6 +24,7 @@ def test_questions_differ_per_agent_and_ask_about_the_document() -> None:
     assert "bike" in questions[0] and questions[0].endswith("\nAnswer:")
 
 
+@pytest.mark.slow  # 2 rounds of 12 agents, every answer also computed alone on the reference server
 def test_rounds_hold_without_errors_drift_or_leak(
     model_path: object, record_property: Callable[[str, object], None]
 ) -> None:

@@ -322,6 +322,7 @@ def test_other_stream_layout_is_refused(
 KILL_AT = (0.0, 0.25, 0.5, 0.0, 0.1, 0.75)
 
 
+@pytest.mark.slow  # up to 6 servers started and killed mid-save, then a fresh one restores what they left
 def test_killed_save_never_leaves_a_file_a_restore_accepts(
     patched_server_bin: Path, model_path: Path, saved: dict[str, Any], tmp_path: Path
 ) -> None:

@@ -28,7 +28,7 @@ from polykv_py.harness.compare import LAYOUT, Comparison, compare_steps, steps_f
 from polykv_py.presets import pool_server
 from polykv_py.results import AgentResult
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # 192 agents on each of two servers
 
 log = logging.getLogger(__name__)
 

@@ -37,13 +37,12 @@ def _cmd_fetch_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    import dataclasses
-
     from ..serve import ServeOptions, serve
+    from ._args import options_from_args
 
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServeOptions) if hasattr(args, f.name)}
-    given |= {"server_args": list(args.server_args), "pools": list(args.pools or [])}
-    return serve(ServeOptions(**given))
+    return serve(
+        options_from_args(ServeOptions, args, server_args=list(args.server_args), pools=list(args.pools or []))
+    )
 
 
 def _cmd_gate(args: argparse.Namespace) -> int:

@@ -36,15 +36,7 @@ from .client import CHAT, COMPLETION, DEFAULT_TIMEOUT, AsyncClient, PoolFeatures
 from .errors import HTTPError, PolykvError, ServerUnavailableError
 from .gateway import ROUTED_WORKER_HEADER
 from .pools import PoolCache, pool_file_name, report_failed_restore
-from .results import (
-    ERROR,
-    NOT_SHARED,
-    REPRIME_STATUSES,
-    AgentResult,
-    FanoutResult,
-    Mode,
-    PrimeResult,
-)
+from .results import ERROR, NOT_SHARED, REPRIME_STATUSES, AgentResult, FanoutResult, Mode, PrimeResult
 from .tokens import shared_prefix_len
 
 log = logging.getLogger(__name__)

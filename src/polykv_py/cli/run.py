@@ -385,14 +385,20 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- parser
+HELP = "run N agents over one shared base context (prefix computed and stored once)"
+DESCRIPTION = (
+    "Prime a pool slot with the base context and fan the agents out over it. Starts the patched llama-server "
+    "on the default model unless --url names a running one."
+)
+
+
 def register(subparsers: Any) -> None:
     """Add ``run`` to the ``polykv`` command's subparsers."""
-    p = subparsers.add_parser(
-        "run",
-        help="run N agents over one shared base context (prefix computed and stored once)",
-        description="Prime a pool slot with the base context and fan the agents out over it. Starts the "
-        "patched llama-server on the default model unless --url names a running one.",
-    )
+    add_arguments(subparsers.add_parser("run", help=HELP, description=DESCRIPTION))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``polykv run``'s options; runs :func:`_cmd_run`."""
     p.add_argument("prompts", nargs="*", help="agent prompts (one agent each)")
     p.add_argument("--base", "-b", help="base context file (- for stdin; default: stdin when piped)")
     p.add_argument("--agents", "-a", help="agents file: one prompt per line, or .json / .jsonl objects")

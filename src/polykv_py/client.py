@@ -8,7 +8,7 @@ aggregated final result) or not, and the pool's own steps: :meth:`Client.prime`,
 (:meth:`Client.pool_features`: whether it computes P itself, ``--pool-auto``).  An error answer raises
 :class:`~polykv_py.errors.HTTPError` with the server's own message; a failed
 connection raises :class:`~polykv_py.errors.ServerUnavailableError`, carrying the
-server's log tail when the client belongs to a :class:`~polykv_py.server.LlamaServer`.
+server's log tail when the client belongs to a :class:`~polykv_py.llama_server.LlamaServer`.
 
 Every request is built once, as a :class:`Request` (method, path, body and how to
 read the answer); :class:`Client` and :class:`AsyncClient` only send it, each method

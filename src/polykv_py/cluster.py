@@ -21,9 +21,9 @@ from typing import Any
 
 from .errors import PolykvError, ServerError
 from .gateway import Gateway, GatewayOptions
+from .llama_server import LlamaServer
 from .pools import PoolCache, pool_states
 from .routing import DEFAULT_MODEL, Router
-from .server import LlamaServer
 
 log = logging.getLogger(__name__)
 

@@ -36,15 +36,7 @@ from .client import CHAT, COMPLETION, DEFAULT_TIMEOUT, AsyncClient, PoolFeatures
 from .errors import HTTPError, PolykvError, ServerUnavailableError
 from .gateway import ROUTED_WORKER_HEADER
 from .pools import PoolCache, pool_file_name, report_failed_restore
-from .results import (
-    ERROR,
-    NOT_SHARED,
-    REPRIME_STATUSES,
-    AgentResult,
-    FanoutResult,
-    Mode,
-    PrimeResult,
-)
+from .results import ERROR, NOT_SHARED, REPRIME_STATUSES, AgentResult, FanoutResult, Mode, PrimeResult
 from .tokens import shared_prefix_len
 
 log = logging.getLogger(__name__)
@@ -300,7 +292,7 @@ class SharedContext:
 
         ``timeout``: seconds a request may wait for the next bytes; ``max_connections``
         bounds the requests in flight at the HTTP level (keep it >= ``concurrency``).
-        ``server``: the :class:`~polykv_py.server.LlamaServer` behind ``url``, if any: a failed
+        ``server``: the :class:`~polykv_py.llama_server.LlamaServer` behind ``url``, if any: a failed
         request then says whether the process exited, with its exit status and log tail.
         """
         client = AsyncClient(url, api_key=api_key, timeout=timeout, max_connections=max_connections, server=server)
@@ -713,7 +705,7 @@ def run_fanout(
     api_key: str | None = None,
     **kwargs: Any,
 ) -> FanoutResult:
-    """Run a fan-out synchronously. ``server`` is a URL or a running :class:`~polykv_py.server.LlamaServer`.
+    """Run a fan-out synchronously. ``server`` is a URL or a running :class:`~polykv_py.llama_server.LlamaServer`.
 
     ``kwargs`` go to :class:`SharedContext` (``pool_slot``, ``concurrency``, ``share`` ...).
     """

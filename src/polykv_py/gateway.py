@@ -10,7 +10,7 @@ for a new key; ``min_group``: the one with the fewest keys), which is what pool 
 
 :class:`Gateway` runs ``smg launch`` on free loopback ports (API and Prometheus), logs to a file
 of its own, is ready when every replica is registered and healthy (``GET /workers``), and stops
-with SIGTERM then SIGKILL, like :class:`~polykv_py.server.LlamaServer`. What smg does that a
+with SIGTERM then SIGKILL, like :class:`~polykv_py.llama_server.LlamaServer`. What smg does that a
 client must know (measured with smg 1.13.0, see ``docs/cluster.md``):
 
 - the response header ``x-smg-routed-worker-id`` names the replica (its URL) that answered;
@@ -40,7 +40,7 @@ import httpx
 
 from .client import parse_metrics
 from .errors import ServerError
-from .server import (
+from .llama_server import (
     LoggedChild,
     _finalize,
     _terminate_group,

@@ -9,7 +9,7 @@ from here, so a recipe is written once:
 - :data:`SERVE_DEFAULTS` and :func:`serve_pool_args`: what ``polykv serve`` adds unless told
   otherwise, and its reserved pools; :func:`serve_server` is the same server for tests.
 
-The returned :class:`~polykv_py.server.LlamaServer` objects are not started yet.
+The returned :class:`~polykv_py.llama_server.LlamaServer` objects are not started yet.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .llama_server import DEFAULT_THREADS, LlamaServer
 from .native import ServerKind
-from .server import DEFAULT_THREADS, LlamaServer
 
 #: Environment a server needs to print its KV usage (read by :mod:`polykv_py.harness.kvcells`).
 KV_DEBUG_ENV = {"LLAMA_KV_CACHE_DEBUG": "1"}
@@ -121,7 +121,7 @@ def pool_server(
     ``slot_save_path``: the ``--slot-save-path`` (a :class:`~polykv_py.pools.PoolCache`'s
     ``save_path``); default a fresh directory. ``shared_decode``: ``--shared-decode`` (patched only;
     off here so that tests compare upstream's kernel unless they ask; ``polykv run`` turns it on).
-    ``launch`` goes to :class:`~polykv_py.server.LlamaServer` (``binary``, ``log_dir``, ``api_key`` ...).
+    ``launch`` goes to :class:`~polykv_py.llama_server.LlamaServer` (``binary``, ``log_dir``, ``api_key`` ...).
     """
     kind = ServerKind.of(kind)
     patched = kind is ServerKind.PATCHED

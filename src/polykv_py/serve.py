@@ -29,10 +29,10 @@ from typing import Any, Literal, TextIO
 
 from .client import Client
 from .errors import HTTPError, PolykvError, ServerError
+from .llama_server import LlamaServer
 from .native import ServerKind, server_binary
 from .pools import PoolCache, pool_file_name, report_failed_restore
 from .presets import POOL_AUTO, SERVE_AGENT_SLOTS, SERVE_DEFAULTS, serve_pool_args
-from .server import LlamaServer
 
 log = logging.getLogger("polykv.serve")
 

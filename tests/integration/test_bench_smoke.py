@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from polykv_py.harness import multiturn
+from bench import multiturn
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def base() -> str:
-    return multiturn.base_for(200, multiturn.TurnsConfig(1, 1, 200, threads=1))
+    return multiturn.base_for(200)
 
 
 def test_multiturn_patched_shares_the_base_then_reuses_each_agents_own_transcript(base: str) -> None:

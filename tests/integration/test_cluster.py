@@ -22,7 +22,7 @@ from polykv_py.presets import serve_server
 from polykv_py.results import AgentResult, FanoutResult
 from polykv_py.routing import RoutedContext, Router
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # 3 replicas and the gateway, plus a single server
 
 CITIES = ("Arden", "Brisk", "Corvale")
 BASES = [

@@ -23,8 +23,8 @@ import pytest
 
 from polykv_py.harness.answers import VOLATILE_FIELDS, Answer, compare
 from polykv_py.harness.gate import Case, default_output_cases, run_cases
+from polykv_py.llama_server import LlamaServer
 from polykv_py.presets import pool_slot_args, slots_args
-from polykv_py.server import LlamaServer
 
 pytestmark = pytest.mark.integration
 

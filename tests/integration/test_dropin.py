@@ -20,8 +20,8 @@ import pytest
 
 from polykv_py.client import Client
 from polykv_py.errors import ServerError
+from polykv_py.llama_server import LlamaServer
 from polykv_py.presets import NO_HOST_CACHE, UNIFIED_KV, pool_slot_args, slots_args
-from polykv_py.server import LlamaServer
 from polykv_py.tokens import common_prefix_len
 
 pytestmark = pytest.mark.integration

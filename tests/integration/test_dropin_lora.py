@@ -16,8 +16,8 @@ import pytest
 from polykv_py.client import Client, Share
 from polykv_py.data import sample_document
 from polykv_py.harness.texts import cut_to_tokens
+from polykv_py.llama_server import LlamaServer
 from polykv_py.presets import pool_server
-from polykv_py.server import LlamaServer
 
 pytestmark = pytest.mark.integration
 

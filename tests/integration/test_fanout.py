@@ -15,9 +15,9 @@ from polykv_py.client import AsyncClient
 from polykv_py.data import sample_document
 from polykv_py.fanout import Agent, BaseContext, SharedContext
 from polykv_py.harness.kvcells import KVCellsLog
+from polykv_py.llama_server import LlamaServer
 from polykv_py.presets import pool_server
 from polykv_py.results import FanoutResult
-from polykv_py.server import LlamaServer
 from polykv_py.tokens import common_prefix_len
 
 pytestmark = pytest.mark.integration

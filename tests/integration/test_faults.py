@@ -38,7 +38,7 @@ from polykv_py.fanout import Agent, BaseContext, SharedContext
 from polykv_py.presets import pool_server
 from polykv_py.results import FanoutResult
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # fan-outs killed, stopped and overfilled, servers restarted
 
 BASE = BaseContext.from_text(
     "Team notes: the build runs nightly, the release ships on Fridays, and reviews are due within two days.\n"

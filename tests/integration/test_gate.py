@@ -13,6 +13,7 @@ from polykv_py.harness.gate import GateConfig, main, run_gate
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.slow  # the five checks: a fresh server per sharer and per reference
 def test_gate_passes(
     patched_server_bin: Path,
     upstream_server_bin: Path,

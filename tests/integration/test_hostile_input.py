@@ -47,11 +47,11 @@ from hypothesis import strategies as st
 
 from polykv_py.client import Client, error_message
 from polykv_py.errors import PolykvError
+from polykv_py.llama_server import LlamaServer
 from polykv_py.presets import pool_server
-from polykv_py.server import LlamaServer
 from polykv_py.tokens import common_prefix_len
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # hypothesis: hundreds of requests against one server
 
 N_SLOTS = 4
 POOL = 0

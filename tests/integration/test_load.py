@@ -1,4 +1,4 @@
-"""Load: agents in rounds over a reserved pool (the full 64-agent, 10-round run is bench/bench_reliability.py).
+"""Load: agents in rounds over a reserved pool (the full 64-agent, 10-round run is bench/reliability.py).
 
 CI-sized: 4 agent slots, a 512-token pool (the sample design document, cut), 12 agents each asking
 its own question about it, 2 rounds. Each round must have no error, no prefix recomputed (a hit, or
@@ -24,6 +24,7 @@ def test_questions_differ_per_agent_and_ask_about_the_document() -> None:
     assert "bike" in questions[0] and questions[0].endswith("\nAnswer:")
 
 
+@pytest.mark.slow  # 2 rounds of 12 agents, every answer also computed alone on the reference server
 def test_rounds_hold_without_errors_drift_or_leak(
     model_path: object, record_property: Callable[[str, object], None]
 ) -> None:

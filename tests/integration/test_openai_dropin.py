@@ -32,9 +32,9 @@ import pytest
 
 from polykv_py.client import Client, PoolFeatures
 from polykv_py.data import sample_document
+from polykv_py.llama_server import LlamaServer
 from polykv_py.presets import reference_server, serve_server
 from polykv_py.serve import PoolSpec, prime_pools
-from polykv_py.server import LlamaServer
 
 pytestmark = pytest.mark.integration
 
@@ -158,11 +158,6 @@ def pool_p(client: Client, api: str) -> int:
     pool_tokens, tokens = client.prompt_tokens(pool), client.prompt_tokens(full)
     assert tokens[: len(pool_tokens)] == pool_tokens, "the pool's tokens must be a prefix of the request's"
     return len(pool_tokens)
-
-
-@pytest.fixture(scope="module")
-def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("dropin-logs")
 
 
 @pytest.fixture(scope="module")

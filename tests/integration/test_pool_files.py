@@ -35,9 +35,9 @@ import pytest
 from polykv_py.client import Client, Request, Share
 from polykv_py.errors import HTTPError
 from polykv_py.llama.state import KEY_FILE, MAC_BYTES, MAGIC, read_prefix_header, tokens_sha256
+from polykv_py.llama_server import LlamaServer
 from polykv_py.pools import tokens_mac
 from polykv_py.presets import NO_HOST_CACHE, UNIFIED_KV, pool_slot_args, slots_args
-from polykv_py.server import LlamaServer
 
 pytestmark = pytest.mark.integration
 
@@ -74,17 +74,8 @@ def start(bin_: Path, model: Path, logs: Path, args: list[str], name: str = "poo
 
 
 @pytest.fixture(scope="module")
-def save_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("pool-files")
-    d.chmod(0o700)  # the server refuses a pool directory its group or others can write
-    return d
-
-
-@pytest.fixture(scope="module")
-def srv(
-    patched_server_bin: Path, model_path: Path, save_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[LlamaServer]:
-    s = start(patched_server_bin, model_path, tmp_path_factory.mktemp("logs"), server_args(save_dir))
+def srv(patched_server_bin: Path, model_path: Path, save_dir: Path, logs: Path) -> Iterator[LlamaServer]:
+    s = start(patched_server_bin, model_path, logs, server_args(save_dir))
     try:
         yield s
     finally:
@@ -331,6 +322,7 @@ def test_other_stream_layout_is_refused(
 KILL_AT = (0.0, 0.25, 0.5, 0.0, 0.1, 0.75)
 
 
+@pytest.mark.slow  # up to 6 servers started and killed mid-save, then a fresh one restores what they left
 def test_killed_save_never_leaves_a_file_a_restore_accepts(
     patched_server_bin: Path, model_path: Path, saved: dict[str, Any], tmp_path: Path
 ) -> None:

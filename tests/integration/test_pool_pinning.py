@@ -25,8 +25,8 @@ from polykv_py.data import sample_document
 from polykv_py.errors import ServerError
 from polykv_py.harness.compare import LAYOUT, compare_greedy
 from polykv_py.harness.texts import cut_to_tokens
+from polykv_py.llama_server import LlamaServer
 from polykv_py.presets import NO_HOST_CACHE, UNIFIED_KV, pool_slot_args, slots_args
-from polykv_py.server import LlamaServer
 
 pytestmark = pytest.mark.integration
 

@@ -24,9 +24,9 @@ import pytest
 from polykv_py.client import Client, Share
 from polykv_py.errors import HTTPError
 from polykv_py.llama.state import KEY_FILE, MAC_BYTES, MAGIC, pool_key, tokens_sha256
+from polykv_py.llama_server import LlamaServer
 from polykv_py.pools import pool_file_name
 from polykv_py.presets import NO_CLEAR_IDLE, NO_HOST_CACHE, UNIFIED_KV, pool_slot_args, slots_args
-from polykv_py.server import LlamaServer
 
 pytestmark = pytest.mark.integration
 
@@ -50,17 +50,8 @@ def start(bin_: Path, model: Path, logs: Path, args: list[str], name: str) -> Ll
 
 
 @pytest.fixture(scope="module")
-def save_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("pool-security")
-    d.chmod(0o700)
-    return d
-
-
-@pytest.fixture(scope="module")
-def srv(
-    patched_server_bin: Path, model_path: Path, save_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[LlamaServer]:
-    s = start(patched_server_bin, model_path, tmp_path_factory.mktemp("logs"), server_args(save_dir), "pool-security")
+def srv(patched_server_bin: Path, model_path: Path, save_dir: Path, logs: Path) -> Iterator[LlamaServer]:
+    s = start(patched_server_bin, model_path, logs, server_args(save_dir), "pool-security")
     try:
         yield s
     finally:

@@ -27,8 +27,8 @@ import pytest
 from polykv_py.client import Client, Share
 from polykv_py.errors import HTTPError
 from polykv_py.fanout import Agent, BaseContext, run_fanout
+from polykv_py.llama_server import LlamaServer
 from polykv_py.presets import pool_server
-from polykv_py.server import LlamaServer
 
 pytestmark = pytest.mark.integration
 
@@ -46,7 +46,7 @@ def secured(
 ) -> Iterator[tuple[LlamaServer, str]]:
     logs = tmp_path_factory.mktemp("security-logs")
     caplog_handler = _Capture()
-    logger = logging.getLogger("polykv_py.server")
+    logger = logging.getLogger("polykv_py.llama_server")
     logger.addHandler(caplog_handler)
     old_level = logger.level
     logger.setLevel(logging.INFO)

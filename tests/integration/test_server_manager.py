@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from polykv_py.errors import HTTPError, ServerError, ServerUnavailableError
-from polykv_py.server import LlamaServer
+from polykv_py.llama_server import LlamaServer
 
 pytestmark = pytest.mark.integration
 
@@ -188,7 +188,7 @@ def test_finalizer_kills_an_unreferenced_server(patched_server_bin: Path, model_
 def test_server_dies_with_a_killed_parent(patched_server_bin: Path, model_path: Path, tmp_path: Path) -> None:
     """Even SIGKILL of the Python process that started it (no finalizer runs) takes the server down."""
     code = (
-        "import sys, time\nfrom polykv_py.server import LlamaServer\n"
+        "import sys, time\nfrom polykv_py.llama_server import LlamaServer\n"
         "s = LlamaServer(sys.argv[1], sys.argv[2], ['-c', '512'], log_dir=sys.argv[3]).start()\n"
         "print(s.pid, flush=True)\ntime.sleep(600)\n"
     )

@@ -23,8 +23,8 @@ from polykv_py.client import Client, Share
 from polykv_py.errors import HTTPError
 from polykv_py.harness.answers import compare
 from polykv_py.harness.compare import LAYOUT, compare_greedy
+from polykv_py.llama_server import LlamaServer
 from polykv_py.presets import NO_CACHE_IDLE, NO_CLEAR_IDLE, UNIFIED_KV, pool_server, reference_server, slots_args
-from polykv_py.server import LlamaServer
 
 pytestmark = pytest.mark.integration
 
@@ -103,11 +103,6 @@ def start(binary: Path, model: Path, args: list[str], logs: Path, name: str) -> 
     """A server with other flags than a pool server's (each test says why)."""
     slots = [*slots_args(N_SLOTS, CTX), "--slot-save-path", str(logs)]
     return LlamaServer(binary, model, [*slots, *args], log_dir=logs, name=name).start()
-
-
-@pytest.fixture(scope="module")
-def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("share-logs")
 
 
 @pytest.fixture(scope="module")

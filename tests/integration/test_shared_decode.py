@@ -20,15 +20,15 @@ from typing import Any
 
 import pytest
 
+from bench.multiturn import question_block
 from polykv_py.client import AsyncClient
 from polykv_py.data import sample_document
 from polykv_py.fanout import Agent, BaseContext, SharedContext
 from polykv_py.harness.compare import LAYOUT, Comparison, compare_steps, steps_from_probs
-from polykv_py.harness.multiturn import question_block
 from polykv_py.presets import pool_server
 from polykv_py.results import AgentResult
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # 192 agents on each of two servers
 
 log = logging.getLogger(__name__)
 

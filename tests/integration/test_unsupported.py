@@ -25,8 +25,8 @@ from polykv_py.errors import HTTPError
 from polykv_py.harness.answers import SHARE_FIELDS, VOLATILE_FIELDS, compare
 from polykv_py.harness.compare import LAYOUT, compare_greedy
 from polykv_py.harness.texts import cut_to_tokens
+from polykv_py.llama_server import LlamaServer
 from polykv_py.presets import POOL_SERVER_ARGS, slot_actions_args, slots_args
-from polykv_py.server import LlamaServer
 
 pytestmark = pytest.mark.integration
 
@@ -65,11 +65,6 @@ def refused_like_plain(c: Client, reason: str) -> dict[str, Any]:
     same, diff = compare(got, plain, (*VOLATILE_FIELDS, *SHARE_FIELDS), VOLATILE_FIELDS)
     assert same, diff
     return got
-
-
-@pytest.fixture(scope="module")
-def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("unsupported")
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import httpx
 import patchtool  # scripts/, on sys.path through pytest's pythonpath option (pyproject.toml)
 import pytest
 
+from polykv_py.llama_server import LlamaServer
 from polykv_py.native import build_info, server_binary
-from polykv_py.server import LlamaServer
 
 PIN = patchtool.read_pin()
 

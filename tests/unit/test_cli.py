@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.systems import SYSTEMS
 from polykv_py.cli import app as cli
 from polykv_py.harness import gate
-from polykv_py.harness.systems import SYSTEMS
 from polykv_py.presets import (
     NO_SHARED_DECODE,
     POOL_AUTO,
@@ -71,3 +71,20 @@ def test_polykv_run_and_cluster_decode_over_shared_cells_unless_told_not_to() ->
     assert parser.parse_args(["cluster", "--no-shared-decode"]).no_shared_decode is True
     assert SHARED_DECODE in SERVE_DEFAULTS
     assert SHARED_DECODE in SYSTEMS["patched"].flags and SHARED_DECODE in SYSTEMS["dropin"].flags
+
+
+def test_polykv_cluster_options_reach_the_cluster_config() -> None:
+    from polykv_py.cli.cluster import cluster_config
+    from polykv_py.cluster import ClusterConfig
+    from polykv_py.gateway import GatewayOptions
+
+    argv = ["cluster", "-k", "2", "--pools-per-replica", "1", "--agent-slots", "3", "--ctx", "2048", "-t", "2",
+            "-m", "m.gguf", "--alias", "a", "--policy", "round_robin", "--assignment-mode", "min_load",
+            "--server-arg=-fa", "--server-arg=on", "--no-shared-decode"]  # fmt: skip
+    cfg = cluster_config(cli.build_parser().parse_args(argv))
+    gateway = GatewayOptions(policy="round_robin", assignment_mode="min_load")
+    assert cfg == ClusterConfig(replicas=2, pools_per_replica=1, agent_slots=3, ctx=2048, threads=2, model="m.gguf",
+                                alias="a", shared_decode=False, extra_args=("-fa", "on"), gateway=gateway)  # fmt: skip
+    defaults = cluster_config(cli.build_parser().parse_args(["cluster"]))
+    assert defaults.shared_decode and defaults.pool_auto and not defaults.track_kv and defaults.extra_args == ()
+    assert defaults.gateway == GatewayOptions()

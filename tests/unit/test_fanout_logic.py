@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from polykv_py.cli.fanout import finalize_agents, parse_agents
+from polykv_py.cli.run import finalize_agents, parse_agents
 from polykv_py.fanout import (
     Agent,
     BaseContext,
@@ -172,15 +173,15 @@ def test_fanout_result_numbers() -> None:
 def _parser():  # type: ignore[no-untyped-def]
     import argparse
 
-    from polykv_py.cli.fanout import register
+    from polykv_py.cli.run import register
 
     parser = argparse.ArgumentParser(prog="polykv")
     register(parser.add_subparsers(dest="command", required=True))
     return parser
 
 
-def test_register_adds_run_and_bench(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from polykv_py.cli.fanout import _collect_agents
+def test_register_adds_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from polykv_py.cli.run import _collect_agents
 
     agents_file = tmp_path / "agents.txt"
     agents_file.write_text("# c\nOne?\nTwo?\n")
@@ -189,12 +190,36 @@ def test_register_adds_run_and_bench(tmp_path) -> None:  # type: ignore[no-untyp
     assert [a.instructions for a in _collect_agents(args)] == ["Zero?", "One?", "Two?"]
     args = _parser().parse_args(["run", "--mode", "completion", "Q"])
     assert _collect_agents(args)[0].instructions == "\n\nQuestion: Q\nAnswer:"
-    args = _parser().parse_args(["bench", "--quick", "--n", "1", "2"])
-    assert args.quick and args.n == [1, 2]
+
+
+def test_polykv_bench_hands_its_arguments_to_the_checkouts_benchmark(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import bench.fanout
+    from polykv_py.cli import app
+
+    args, rest = app.build_parser().parse_known_args(["bench", "--quick", "--n", "1", "2"])
+    assert args.command == "bench" and rest == ["--quick", "--n", "1", "2"]
+    seen = {}
+    monkeypatch.setattr(bench.fanout, "main", lambda argv, prog: seen.update(argv=argv, prog=prog) or 0)
+    assert app.main(["bench", "--quick", "--n", "1", "2"]) == 0
+    assert seen == {"argv": ["--quick", "--n", "1", "2"], "prog": "polykv bench"}
+    with pytest.raises(SystemExit) as exc:  # other commands still refuse what they do not know
+        app.main(["run", "--quick"])
+    assert exc.value.code == 2
+
+
+def test_polykv_bench_outside_a_checkout_says_where_benchmarks_run(monkeypatch, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from polykv_py.cli import app
+    from polykv_py.cli.bench import NOT_A_CHECKOUT
+
+    for name in ("bench", "bench.fanout"):  # import bench fails as in an installed wheel
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.chdir(tmp_path)
+    assert app.main(["bench", "--quick"]) == 2
+    assert NOT_A_CHECKOUT in capsys.readouterr().err and "python -m bench.fanout" in NOT_A_CHECKOUT
 
 
 def test_bench_quick_config() -> None:
-    from polykv_py.harness.benchmark import parse_args
+    from bench.fanout import parse_args
 
     cfg = parse_args(["--quick", "--out", "x"])
     assert cfg is not None and sorted(cfg.ns) == [1, 2, 4, 8] and cfg.ps == [2048] and cfg.capacity

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from polykv_py.harness import bench_report
-from polykv_py.harness.benchmark import ctx_for, matched_budget
+from bench import fanout_report
+from bench.fanout import ctx_for, matched_budget
 from polykv_py.harness.kvcells import KVCellsLog, parse_used
 from polykv_py.harness.report import fmt, ratio, table
 
@@ -121,7 +121,7 @@ def test_bench_markdown_headline(tmp_path: Path) -> None:
         ],
         "notes": ["engine skipped"],
     }
-    md = bench_report.markdown(doc)
+    md = fanout_report.markdown(doc)
     # round 1: the fastest stock system is the queued one (25 s); round 2: stock_kvu (3 s)
     assert "round 1 (priming included): 2.50x faster than the best stock system in this cell" in md
     assert "round 2 (a new question each): 3.00x faster than the best stock system" in md
@@ -131,5 +131,5 @@ def test_bench_markdown_headline(tmp_path: Path) -> None:
     assert "target P+N*S = 2,560" in md
     assert "largest N that fit = 128, smallest that failed = 129" in md
     assert "engine skipped" in md
-    png = bench_report.plot(doc, tmp_path / "x.png")
+    png = fanout_report.plot(doc, tmp_path / "x.png")
     assert png is None or png.exists()

@@ -23,8 +23,8 @@ import pytest
 
 from polykv_py.cli import app as cli
 from polykv_py.errors import ServerError
+from polykv_py.llama_server import LlamaServer, _redact, free_port
 from polykv_py.serve import is_loopback
-from polykv_py.server import LlamaServer, _redact, free_port
 
 KEY = "sk-polykv-unit-0123456789"
 
@@ -161,7 +161,7 @@ def test_start_log_line_redacts_the_key(tmp_path: Path, fake_model: Path, caplog
     exe.write_text("#!/bin/sh\nexit 3\n")
     exe.chmod(0o755)
     srv = LlamaServer(exe, fake_model, api_key=KEY, log_dir=tmp_path)
-    with caplog.at_level(logging.INFO, logger="polykv_py.server"), pytest.raises(ServerError):
+    with caplog.at_level(logging.INFO, logger="polykv_py.llama_server"), pytest.raises(ServerError):
         srv.start(timeout=10)
     assert "--api-key ***" in caplog.text and KEY not in caplog.text
 

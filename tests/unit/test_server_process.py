@@ -9,7 +9,7 @@ import psutil
 import pytest
 
 from polykv_py.errors import ServerError
-from polykv_py.server import LlamaServer, free_port, read_log_tail
+from polykv_py.llama_server import LlamaServer, free_port, read_log_tail
 
 
 def script(tmp_path: Path, body: str) -> Path:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from bench import multiturn
+from bench.fanout import cell_budget
+from bench.systems import STOCK, SYSTEMS, best_stock
 from polykv_py.data.questions import QUESTIONS
-from polykv_py.harness import multiturn
-from polykv_py.harness.benchmark import cell_budget
-from polykv_py.harness.systems import STOCK, SYSTEMS, best_stock
 from polykv_py.native import ServerKind
 
 

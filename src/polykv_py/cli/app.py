@@ -37,13 +37,12 @@ def _cmd_fetch_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    import dataclasses
-
     from ..serve import ServeOptions, serve
+    from ._args import options_from_args
 
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServeOptions) if hasattr(args, f.name)}
-    given |= {"server_args": list(args.server_args), "pools": list(args.pools or [])}
-    return serve(ServeOptions(**given))
+    return serve(
+        options_from_args(ServeOptions, args, server_args=list(args.server_args), pools=list(args.pools or []))
+    )
 
 
 def _cmd_gate(args: argparse.Namespace) -> int:
@@ -131,9 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
     gate.add_arguments(p)
     p.set_defaults(func=_cmd_gate)
 
-    from .fanout import register as register_fanout
+    from .run import register as register_run
 
-    register_fanout(sub)  # `polykv run` (the main job) and `polykv bench`
+    register_run(sub)  # `polykv run`: the main job
+
+    from .bench import register as register_bench
+
+    register_bench(sub)  # `polykv bench`: the fan-out benchmark of a source checkout
 
     from .pools import register as register_pools
 
@@ -147,7 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if rest:
+        if not hasattr(args, "forward_args"):  # only `polykv bench` hands its arguments on
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        args.forward_args = rest
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
     )

@@ -6,32 +6,37 @@ import argparse
 import json
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import PolykvError
+
+if TYPE_CHECKING:
+    from ..cluster import ClusterConfig
 
 log = logging.getLogger("polykv.cluster")
 
 
-def _cmd_cluster(args: argparse.Namespace) -> int:
-    from ..cluster import Cluster, ClusterConfig
+def cluster_config(args: argparse.Namespace) -> ClusterConfig:
+    """The replicas' shape and the gateway's routing for parsed ``polykv cluster`` options."""
+    from ..cluster import ClusterConfig
     from ..gateway import GatewayOptions
+    from ._args import options_from_args
+
+    return options_from_args(
+        ClusterConfig,
+        args,  # --replicas, --pools-per-replica, --agent-slots, --ctx, --threads, --model, --alias
+        extra_args=tuple(args.server_arg or ()),
+        shared_decode=not args.no_shared_decode,
+        gateway=options_from_args(GatewayOptions, args),  # --policy, --assignment-mode
+    )
+
+
+def _cmd_cluster(args: argparse.Namespace) -> int:
+    from ..cluster import Cluster
     from ..pools import PoolCache
     from ..serve import _Stop, _stop_on_signals
 
-    gateway = GatewayOptions(policy=args.policy, assignment_mode=args.assignment_mode)
-    config = ClusterConfig(
-        replicas=args.replicas,
-        pools_per_replica=args.pools_per_replica,
-        agent_slots=args.agent_slots,
-        ctx=args.ctx,
-        threads=args.threads,
-        model=args.model,
-        alias=args.alias,
-        extra_args=tuple(args.server_arg or ()),
-        shared_decode=not args.no_shared_decode,
-        gateway=gateway,
-    )
+    config = cluster_config(args)
     cache = PoolCache(args.pool_cache) if args.pool_cache else PoolCache.default()
     cluster = Cluster(config, pool_cache=cache, gateway_port=args.port)
     with _stop_on_signals():

@@ -47,10 +47,10 @@ from typing import Any
 
 from ..client import AsyncClient, Client, Share, aggregate
 from ..errors import PolykvError
+from ..llama_server import LlamaServer
 from ..models import resolve_model
 from ..native import ServerKind, server_binary
 from ..presets import NO_CACHE_IDLE, NO_CLEAR_IDLE, UNIFIED_KV, slots_args
-from ..server import LlamaServer
 from ..tokens import common_prefix_len
 from .answers import SHARE_FIELDS, VOLATILE_FIELDS, Answer, compare
 from .compare import LAYOUT, compare_greedy
@@ -489,6 +489,41 @@ def _failed_sharers(bad: list[Json], n: int, where: str = "") -> str:
     return f"{len(bad)}/{n} sharers failed{where}; {first['name']}: {reason}"
 
 
+@dataclass
+class _Together:
+    """The sharers sent at once over one primed pool: what :func:`_together` saw."""
+
+    base: str
+    sharers: list[Sharer]
+    sharers_info: Json  # from make_sharers: base tokens, P and n_prompt per sharer
+    prime_prompt_n: int | None  # tokens the pool's priming computed
+    answers: dict[str, Answer]  # by each sharer's with_pool() case name
+    health: str  # the server's health after the sharers
+    props: Json  # the server's /props after the sharers
+
+    def final(self, s: Sharer) -> Json:
+        """Sharer ``s``'s final answer."""
+        return final_of(self.answers[s.with_pool().name], "/completion")
+
+
+def _together(servers: _Servers, kind: ServerKind | str, args: list[str], name: str) -> _Together:
+    """A fresh ``kind`` server: the base built, the pool primed once, every sharer sent at once (one group)."""
+    cfg = servers.cfg
+    with servers.start(kind, args, name) as srv:
+        base = build_base(srv.client.prompt_tokens, cfg.base_tokens)
+        sharers, sinfo = make_sharers(srv.client, base, cfg)
+        prime_n = (srv.client.prime(base, POOL_SLOT).get("timings") or {}).get("prompt_n")
+        log.info(
+            "  pool slot %d primed with %s base tokens; P per sharer %s (the base alone tokenizes to %d)",
+            POOL_SLOT,
+            prime_n,
+            sinfo["shared_prefix_p"],
+            sinfo["base_tokens_alone"],
+        )
+        answers = run_cases(srv, [s.with_pool(group=1) for s in sharers])
+        return _Together(base, sharers, sinfo, prime_n, answers, srv.health_state(), srv.client.props())
+
+
 def check_share_hit(servers: _Servers) -> CheckResult:
     """Sharers hit one pool together, and each is exact against the reference's own-cache answer.
 
@@ -513,24 +548,13 @@ def check_share_hit(servers: _Servers) -> CheckResult:
     res.info = {"share_server": kind, "flags": args, "reference_flags": ref_args}
 
     # phase 1: all sharers on one pool, at once
-    with servers.start(kind, args, f"share-{kind}-together") as srv:
-        base = build_base(srv.client.prompt_tokens, cfg.base_tokens)
-        sharers, sinfo = make_sharers(srv.client, base, cfg)
-        res.info.update(sinfo)
-        primed = srv.client.prime(base, POOL_SLOT)
-        res.info["pool_prime_prompt_n"] = (primed.get("timings") or {}).get("prompt_n")
-        log.info(
-            "  pool slot %d primed with %s base tokens; P per sharer %s (the base alone tokenizes to %d)",
-            POOL_SLOT,
-            res.info["pool_prime_prompt_n"],
-            sinfo["shared_prefix_p"],
-            sinfo["base_tokens_alone"],
-        )
-        together = run_cases(srv, [s.with_pool(group=1) for s in sharers])
-        health = srv.health_state()
+    together = _together(servers, kind, args, f"share-{kind}-together")
+    base, sharers, health = together.base, together.sharers, together.health
+    res.info.update(together.sharers_info)
+    res.info["pool_prime_prompt_n"] = together.prime_prompt_n
     together_cases = []
     for s in sharers:
-        ok, why, got = _sharer_verdict(final_of(together[s.with_pool().name], "/completion"), s, "hit")
+        ok, why, got = _sharer_verdict(together.final(s), s, "hit")
         together_cases.append({"name": s.case.name, "ok": ok, "status_ok": ok, "status_check": why, **got})
         log.info("  together %s: %s", s.case.name, why)
     res.info["together"] = {"n_sharers": len(sharers), "health_after": health, "cases": together_cases}
@@ -554,8 +578,7 @@ def check_share_hit(servers: _Servers) -> CheckResult:
             "share_server_text_equal": mine.get("content") == mine_fresh.get("content"),
             "reference_first_token_max_logprob_diff": first_token_logprob_diff(own, ref_fresh),
             "reference_text_equal": own.get("content") == ref_fresh.get("content"),
-            "together_phase_text_equal": mine.get("content")
-            == final_of(together[s.with_pool().name], "/completion").get("content"),
+            "together_phase_text_equal": mine.get("content") == together.final(s).get("content"),
         }
         res.cases.append({**case, "text": mine.get("content"), "info_vs_fresh_one_pass": info})
         log.info("  exact %s: P=%d n_prompt=%d -> %s; vs reference own cache: %s", s.case.name, s.p, s.n_prompt,
@@ -574,7 +597,7 @@ def check_share_hit(servers: _Servers) -> CheckResult:
             # same layout (phase 2), not here
             tc.update(vs_alone=NOT_COMPARED, vs_alone_max_drift=None, vs_alone_detail="sampled: not compared")
             continue
-        cmp = compare_greedy(alone[s.index], final_of(together[s.with_pool().name], "/completion"), margins=LAYOUT)
+        cmp = compare_greedy(alone[s.index], together.final(s), margins=LAYOUT)
         tc.update(vs_alone=cmp.verdict, vs_alone_max_drift=round(cmp.max_drift, 4), vs_alone_detail=cmp.detail)
         tc["ok"] = tc["status_ok"] and cmp.ok
         log.info("  together %s vs alone: %s (%s)", s.case.name, cmp.verdict, cmp.detail)
@@ -711,18 +734,6 @@ def check_auto_share(servers: _Servers) -> CheckResult:
     return res
 
 
-def _together(
-    servers: _Servers, args: list[str], name: str, cfg: GateConfig
-) -> tuple[list[Sharer], dict[str, Answer], Json]:
-    """The sharers sent at once over one primed pool; the answers and the server's ``/props``."""
-    with servers.start("patched", args, name) as srv:
-        base = build_base(srv.client.prompt_tokens, cfg.base_tokens)
-        sharers, _ = make_sharers(srv.client, base, cfg)
-        srv.client.prime(base, POOL_SLOT)
-        answers = run_cases(srv, [s.with_pool(group=1) for s in sharers])
-        return sharers, answers, srv.client.props()
-
-
 def check_shared_decode(servers: _Servers) -> CheckResult:
     """``--shared-decode`` (patch 0076), a reporting run: the share_hit sharers at once, with it on and off.
 
@@ -736,12 +747,12 @@ def check_shared_decode(servers: _Servers) -> CheckResult:
     res = CheckResult("shared_decode")
     args = [*_base_args(cfg), no_clear_idle_flag(servers.binary("patched"))]
     res.info = {"flags": args, "on_flag": "--shared-decode"}
-    sharers, off, _ = _together(servers, args, "shared-decode-off", cfg)
-    _, on, props = _together(servers, [*args, "--shared-decode"], "shared-decode-on", cfg)
-    stats = props.get("polykv_shared_decode") or {}
+    off = _together(servers, "patched", args, "shared-decode-off")
+    on = _together(servers, "patched", [*args, "--shared-decode"], "shared-decode-on")
+    stats = on.props.get("polykv_shared_decode") or {}
     res.info["server_counters"] = stats
-    for s in sharers:
-        a, b = final_of(off[s.with_pool().name], "/completion"), final_of(on[s.with_pool().name], "/completion")
+    for s in off.sharers:
+        a, b = off.final(s), on.final(s)
         status_ok = (b.get("shared_prefix") or {}).get("status") == "hit"
         if s.body.get("temperature"):
             res.cases.append({"name": s.case.name, "ok": status_ok, "verdict": NOT_COMPARED})

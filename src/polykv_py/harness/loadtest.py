@@ -39,7 +39,7 @@ from typing import Any
 from ..client import AsyncClient, Share
 from ..data import sample_document
 from ..data.questions import QUESTIONS
-from ..server import LlamaServer
+from ..llama_server import LlamaServer
 from .compare import LAYOUT, compare_greedy
 from .kvcells import KVCellsLog
 from .texts import Detokenize, Tokenize, repeat_to_tokens
@@ -57,14 +57,18 @@ QUESTION_ROOM = 48
 
 @dataclass(frozen=True)
 class LoadConfig:
+    """One load run (the defaults are bench/reliability.py's full run)."""
+
+    #: the patched server: agent slots (the requests in flight at most), CPU threads and GGUF (None: the defaults)
     n_slots: int = 16
+    threads: int | None = None
+    model: str | None = None
+    #: the work: a base of ``pool_tokens`` in the reserved pool, ``rounds`` of ``n_agents`` greedy answers
     pool_tokens: int = 2048
     n_agents: int = 64
     rounds: int = 10
-    n_predict: int = 16
-    request_timeout: float = 300.0
-    threads: int | None = None
-    model: str | None = None
+    n_predict: int = 16  # tokens per answer
+    request_timeout: float = 300.0  # seconds one request may take
 
 
 def load_base(pool_tokens: int, tokenize: Tokenize, detokenize: Detokenize) -> str:

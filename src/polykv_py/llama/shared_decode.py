@@ -8,6 +8,7 @@ with f16 or q8_0 KV (unified KV lets agents' rows share the prefix cells).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +16,10 @@ from .._ffi import ffi, lib
 from ..errors import LlamaError
 
 
+@functools.cache
 def _entry(name: str, cdecl: str) -> Any:
+    """The CPU backend's function ``name`` cast to ``cdecl``, looked up once per process (libggml is loaded
+    once and never unloaded, so the pointer stays valid); a build without it raises every time it is asked."""
     reg = lib.ggml_backend_reg_by_name(b"CPU")
     fn = lib.ggml_backend_reg_get_proc_address(reg, name.encode()) if reg != ffi.NULL else ffi.NULL
     if fn == ffi.NULL:

@@ -32,9 +32,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from ..native import ServerKind
-from ..presets import NO_CLEAR_IDLE, NO_SHARED_DECODE, SHARED_DECODE, custom_server, slot_actions_args, slots_args
-from ..server import LlamaServer
+from polykv_py.llama_server import LlamaServer
+from polykv_py.native import ServerKind
+from polykv_py.presets import (
+    NO_CLEAR_IDLE,
+    NO_SHARED_DECODE,
+    SHARED_DECODE,
+    custom_server,
+    slot_actions_args,
+    slots_args,
+)
 
 Budget = Literal["copies", "shared"]
 
@@ -84,7 +91,7 @@ SYSTEMS: dict[str, System] = {
     )
 }
 #: ``patched`` with upstream's attention kernel (``--no-shared-decode``): what the decode benchmark
-#: (:mod:`polykv_py.harness.decode`) compares ``patched`` with; not part of the stock grids.
+#: (:mod:`bench.decode`) compares ``patched`` with; not part of the stock grids.
 UPSTREAM_DECODE = System(
     "patched_upstream_decode",
     _PATCHED,

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Benchmark: the in-process shared-prefix engine vs every agent from scratch (not a test).
 
 For each N it runs, in one process and on the same model and threads:
@@ -15,8 +14,8 @@ tokens processed (everything passed to ``llama_decode``) and KV cells in use at 
 (the peak; counted by parsing the context state, see docs/memory-api.md), and writes
 ``engine.json`` and ``engine.md`` to ``--out``.
 
-    python bench/bench_engine.py            # N in 1 2 4 8 16, P=2048, S=64, G=32
-    python bench/bench_engine.py --quick    # a tiny grid to check the script
+    python -m bench.engine            # N in 1 2 4 8 16, P=2048, S=64, G=32
+    python -m bench.engine --quick    # a tiny grid to check the script
 
 On a machine busy with other jobs pass ``--threads 1``: ggml's thread barriers make
 multi-threaded timings erratic when the cores are oversubscribed.
@@ -38,13 +37,13 @@ from pathlib import Path
 from typing import Any
 
 from polykv_py.engine import EngineRunResult, GenerationParams, SharedPrefixEngine, context_params_for
-from polykv_py.harness.bench_report import cpu_model
 from polykv_py.llama import ContextParams, Model, system_info
 from polykv_py.native import build_info
 
-log = logging.getLogger("bench_engine")
+from . import RESULTS
+from .machine import cpu_model
 
-ROOT = Path(__file__).resolve().parent
+log = logging.getLogger(__name__)
 
 _WORDS = [
     "warehouse",
@@ -151,7 +150,7 @@ def run_one(model: Model, n: int, pre: list[int], sufs: list[list[int]], g: int,
 
 
 def machine() -> dict[str, Any]:
-    info = {
+    info: dict[str, Any] = {
         "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "platform": platform.platform(),
@@ -193,14 +192,14 @@ def to_markdown(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny grid (N 1 2, P 256, S 16, G 8)")
     ap.add_argument("--model", help="GGUF path (default: the default model)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--n-ubatch", type=int, default=512)
     ap.add_argument("--flash-attn", choices=("auto", "on", "off"), default="auto")
     ap.add_argument("--agents", type=int, nargs="+", help="override the N grid")
-    ap.add_argument("--out", type=Path, default=ROOT / "results")
+    ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.quick:

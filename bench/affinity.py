@@ -12,7 +12,7 @@ and how they were served. Systems, each on a fresh cluster of the same shape:
 - ``round_robin_pools`` / ``cache_aware_pools``: the drop-in way without a key: every base primed
   as a pool on every replica (``--pool-auto`` shares it with any plain request that lands there).
 
-``python -m polykv_py.harness.affinity`` writes ``affinity.json`` and ``affinity.md``.
+``python -m bench.affinity`` writes ``affinity.json`` and ``affinity.md``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import sys
 import tempfile
 import time
@@ -31,12 +30,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..client import OAI_COMPLETION, AsyncClient, Request
-from ..cluster import Cluster, ClusterConfig
-from ..fanout import Agent, BaseContext, routed_replica
-from ..gateway import GatewayOptions
-from ..pools import PoolCache
-from .kvcells import KV_METHOD, KVCellsLog
+from polykv_py.client import OAI_COMPLETION, AsyncClient, Request
+from polykv_py.cluster import Cluster, ClusterConfig
+from polykv_py.fanout import Agent, BaseContext, routed_replica
+from polykv_py.gateway import GatewayOptions
+from polykv_py.harness.kvcells import KV_METHOD, KVCellsLog
+from polykv_py.pools import PoolCache
+
+from . import RESULTS
+from .machine import cpu_model, load_avg
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +153,7 @@ def run_system(system: str, cfg: AffinityConfig, log_dir: Path) -> dict[str, Any
 
 
 def markdown(doc: dict[str, Any]) -> str:
-    from .report import ratio, table
+    from polykv_py.harness.report import ratio, table
 
     cfg = doc["config"]
     cells = {c["system"]: c for c in doc["cells"]}
@@ -185,14 +187,12 @@ def markdown(doc: dict[str, Any]) -> str:
 def run(cfg: AffinityConfig, systems: Sequence[str], out_dir: Path) -> dict[str, Any]:
     from importlib.metadata import version
 
-    from .bench_report import cpu_model
-
     out_dir.mkdir(parents=True, exist_ok=True)
     doc: dict[str, Any] = {
         "config": cfg.__dict__,
         "smg_version": version("smg"),
         "base_tokens": None,
-        "machine": {"cpu": cpu_model(), "load_avg_start": [round(x, 2) for x in os.getloadavg()]},
+        "machine": {"cpu": cpu_model(), "load_avg_start": load_avg()},
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "cells": [],
     }
@@ -201,11 +201,11 @@ def run(cfg: AffinityConfig, systems: Sequence[str], out_dir: Path) -> dict[str,
         cell = run_system(system, cfg, Path(tempfile.mkdtemp(prefix=f"polykv-affinity-{system}-")))
         doc["cells"].append(cell)
         log.info("affinity: %s: %s", system, cell)
-    from ..presets import serve_server
+    from polykv_py.presets import serve_server
 
     with serve_server(1, agent_slots=1, ctx=2048, threads=1, name="tokenizer") as srv:
         doc["base_tokens"] = len(srv.client.prompt_tokens(base_texts(cfg)[0]))
-    doc["machine"]["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
+    doc["machine"]["load_avg_end"] = load_avg()
     (out_dir / "affinity.json").write_text(json.dumps(doc, indent=2))
     (out_dir / "affinity.md").write_text(markdown(doc))
     return doc
@@ -213,13 +213,13 @@ def run(cfg: AffinityConfig, systems: Sequence[str], out_dir: Path) -> dict[str,
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="polykv-affinity", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench.affinity", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--bases", type=int, default=3)
     ap.add_argument("--agents", type=int, default=4)
     ap.add_argument("--replicas", type=int, default=3)
     ap.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
-    ap.add_argument("--out", type=Path, default=Path("bench/results/affinity"))
+    ap.add_argument("--out", type=Path, default=RESULTS / "affinity")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)

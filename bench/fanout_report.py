@@ -1,31 +1,17 @@
-"""Markdown and PNG rendering of a fan-out benchmark document (see :mod:`polykv_py.harness.benchmark`)."""
+"""Markdown and PNG rendering of a fan-out benchmark document (see :mod:`bench.fanout`)."""
 
 from __future__ import annotations
 
-import logging
-import platform
 from pathlib import Path
 from typing import Any
 
-from .report import fmt, ratio, table
-from .systems import STOCK, SYSTEMS, best_stock
+from polykv_py.harness.report import fmt, ratio, table
 
-log = logging.getLogger(__name__)
+from .systems import STOCK, SYSTEMS, best_stock
 
 Json = dict[str, Any]
 
 LABELS = {**{name: spec.label for name, spec in SYSTEMS.items()}, "engine": "in-process engine"}
-
-
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo, else what ``platform`` says."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def _round(cell: Json, r: int) -> Json | None:

@@ -1,8 +1,7 @@
-#!/usr/bin/env python3
 """Reliability report: the load run (issue 4 section 2) plus the fault and hostile-input suites.
 
-    python bench/bench_reliability.py                 # 16 slots, 2,048-token pool, 64 agents, 10 rounds
-    python bench/bench_reliability.py --rounds 2 --agents 16 --skip-suites   # a quick look
+    python -m bench.reliability                 # 16 slots, 2,048-token pool, 64 agents, 10 rounds
+    python -m bench.reliability --rounds 2 --agents 16 --skip-suites   # a quick look
 
 Writes bench/results/reliability.json and reliability.md (a readable table).
 """
@@ -20,10 +19,13 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Any
 
-from polykv_py.harness.bench_report import cpu_model
 from polykv_py.harness.compare import LAYOUT
 from polykv_py.harness.loadtest import LoadConfig, LoadReport, run_load
+
+from . import RESULTS
+from .machine import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITES = [
@@ -34,7 +36,7 @@ SUITES = [
 ]
 
 
-def run_suites(paths: list[str]) -> dict:
+def run_suites(paths: list[str]) -> dict[str, Any]:
     """Run the fault/hostile/pinning tests; tests, failures and the inputs the hostile suite tried."""
     with tempfile.TemporaryDirectory() as tmp:
         xml, inputs = Path(tmp) / "junit.xml", Path(tmp) / "outcomes.json"
@@ -42,7 +44,7 @@ def run_suites(paths: list[str]) -> dict:
         t = time.monotonic()
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", *paths]
         rc = subprocess.run(cmd, cwd=ROOT, env=env, check=False).returncode  # failures are reported, not raised
-        suites: dict = {"rc": rc, "wall_s": round(time.monotonic() - t, 1), "tests": []}
+        suites: dict[str, Any] = {"rc": rc, "wall_s": round(time.monotonic() - t, 1), "tests": []}
         for case in ET.parse(xml).getroot().iter("testcase"):
             failed = case.find("failure") is not None or case.find("error") is not None
             skipped = case.find("skipped") is not None
@@ -55,7 +57,7 @@ def run_suites(paths: list[str]) -> dict:
             )
         outcomes = json.loads(inputs.read_text()) if inputs.exists() else {}
     # hostile_<property>_examples / _outcomes (test_hostile_input.py), fault_* (test_faults.py)
-    tried: dict[str, dict] = {}
+    tried: dict[str, dict[str, Any]] = {}
     for key, value in outcomes.items():
         if key.startswith("hostile_") and key.endswith("_outcomes"):
             prop = key[len("hostile_") : -len("_outcomes")]
@@ -65,7 +67,7 @@ def run_suites(paths: list[str]) -> dict:
     return suites
 
 
-def markdown(doc: dict) -> str:
+def markdown(doc: dict[str, Any]) -> str:
     load, cfg = doc["load"], doc["load"]["config"]
     v = load["verdicts"]
     lines = [
@@ -136,7 +138,9 @@ def markdown(doc: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.reliability", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--slots", type=int, default=16)
     ap.add_argument("--pool-tokens", type=int, default=2048)
     ap.add_argument("--agents", type=int, default=64)
@@ -144,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-predict", type=int, default=16)
     ap.add_argument("--threads", type=int)
     ap.add_argument("--skip-suites", action="store_true", help="only the load run")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
@@ -157,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         threads=args.threads,
     )
     report: LoadReport = run_load(cfg, progress=True)
-    doc = {
+    doc: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{cpu_model()}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}",
         "load": report.to_json(),

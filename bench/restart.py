@@ -36,12 +36,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..client import AsyncClient, Request
-from ..fanout import Agent, BaseContext, SharedContext
-from ..pools import PoolCache
-from .benchmark import PeakRSS, machine_info, make_inputs, round_summary, system_budget
-from .kvcells import KV_METHOD, KVCellsLog
-from .report import table
+from polykv_py.client import AsyncClient, Request
+from polykv_py.fanout import Agent, BaseContext, SharedContext
+from polykv_py.harness.kvcells import KV_METHOD, KVCellsLog
+from polykv_py.harness.report import table
+from polykv_py.pools import PoolCache
+
+from . import RESULTS
+from .fanout import PeakRSS, machine_info, make_inputs, round_summary, system_budget
 from .systems import SYSTEMS as SERVER_SYSTEMS
 from .systems import System, start_system_server
 
@@ -74,7 +76,7 @@ class RestartConfig:
     threads: int = 2
     systems: list[str] = field(default_factory=lambda: list(RESTART_SYSTEMS))
     model: str | None = None
-    out_dir: Path = Path("bench/results/restart")
+    out_dir: Path = RESULTS / "restart"
     timeout: float = 3600.0
 
 
@@ -107,7 +109,7 @@ def save_base(p: int, cfg: RestartConfig, save_dir: Path) -> tuple[str, list[str
 
 
 def _pool_name(c: Any, tokens: list[int]) -> str:
-    from ..pools import pool_file_name
+    from polykv_py.pools import pool_file_name
 
     identity = c.pool_features().pool_files
     assert identity is not None, "the patched server reports no pool files (patch 0075)"
@@ -250,14 +252,14 @@ def _write(doc: Json, out: Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m polykv_py.harness.restart", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m bench.restart", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--n", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--p", type=int, nargs="+", default=[512, 2048, 4096])
     ap.add_argument("--systems", nargs="+", choices=list(RESTART_SYSTEMS), default=list(RESTART_SYSTEMS))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", "-m")
-    ap.add_argument("--out", type=Path, default=Path("bench/results/restart"))
+    ap.add_argument("--out", type=Path, default=RESULTS / "restart")
     args = ap.parse_args(argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

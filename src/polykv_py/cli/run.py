@@ -1,4 +1,4 @@
-"""``polykv run`` (N agents over one base context) and ``polykv bench`` (the fan-out benchmark).
+"""``polykv run``: N agents over one base context.
 
 Wire into the main parser with ``register(subparsers)``.
 """
@@ -384,30 +384,21 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-# --------------------------------------------------------------------------- bench
-def _cmd_bench(args: argparse.Namespace) -> int:
-    from ..harness import benchmark
-
-    _quiet_http_log()
-    if args.restart:
-        from ..harness import restart
-
-        cfg = restart.RestartConfig(threads=args.threads, model=args.model, out_dir=Path(args.out) / "restart")
-        cfg.ns, cfg.ps = args.n or cfg.ns, args.p or cfg.ps
-        restart.run(cfg)
-        return 0
-    return benchmark.run_from_args(args)
-
-
 # --------------------------------------------------------------------------- parser
+HELP = "run N agents over one shared base context (prefix computed and stored once)"
+DESCRIPTION = (
+    "Prime a pool slot with the base context and fan the agents out over it. Starts the patched llama-server "
+    "on the default model unless --url names a running one."
+)
+
+
 def register(subparsers: Any) -> None:
-    """Add ``run`` and ``bench`` to the ``polykv`` command's subparsers."""
-    p = subparsers.add_parser(
-        "run",
-        help="run N agents over one shared base context (prefix computed and stored once)",
-        description="Prime a pool slot with the base context and fan the agents out over it. Starts the "
-        "patched llama-server on the default model unless --url names a running one.",
-    )
+    """Add ``run`` to the ``polykv`` command's subparsers."""
+    add_arguments(subparsers.add_parser("run", help=HELP, description=DESCRIPTION))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``polykv run``'s options; runs :func:`_cmd_run`."""
     p.add_argument("prompts", nargs="*", help="agent prompts (one agent each)")
     p.add_argument("--base", "-b", help="base context file (- for stdin; default: stdin when piped)")
     p.add_argument("--agents", "-a", help="agents file: one prompt per line, or .json / .jsonl objects")
@@ -477,20 +468,3 @@ def register(subparsers: Any) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON document instead of text")
     p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
     p.set_defaults(func=_cmd_run)
-
-    from ..harness import benchmark
-
-    p = subparsers.add_parser(
-        "bench",
-        help="benchmark the fan-out against the reference server and the in-process engine",
-        description=benchmark.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    benchmark.add_arguments(p)
-    p.add_argument(
-        "--restart",
-        action="store_true",
-        help="the restart scenario instead (harness/restart.py: a saved pool restored after a restart vs the stock "
-        "server cold and restoring its own slot files; --n, --p, --threads, --model; writes OUT/restart)",
-    )
-    p.set_defaults(func=_cmd_bench)

@@ -20,7 +20,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,10 +27,13 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from ..client import AsyncClient
-from ..fanout import Agent, BaseContext, SharedContext
-from .benchmark import round_up
-from .multiturn import QUESTION_TOKENS, TurnsConfig, base_for, question_block
+from polykv_py.client import AsyncClient
+from polykv_py.fanout import Agent, BaseContext, SharedContext
+
+from . import RESULTS
+from .fanout import engine_params, round_up
+from .machine import load_avg, machine
+from .multiturn import QUESTION_TOKENS, base_for, question_block
 from .systems import SYSTEMS, UPSTREAM_DECODE, System, start_system_server
 
 log = logging.getLogger(__name__)
@@ -92,18 +94,14 @@ def run_cell(system: System, cell: DecodeCell, base: str, *, threads: int, model
 
 def engine_cell(cell: DecodeCell, base: str, *, threads: int, model: str | None) -> list[dict[str, Any]]:
     """The same cell in-process: one engine, the switch off then on (the prefix decoded once)."""
-    import dataclasses
-
-    from ..engine import GenerationParams, SharedPrefixEngine
-    from ..llama import Model, set_shared_decode, shared_decode_stats
+    from polykv_py.engine import SharedPrefixEngine
+    from polykv_py.llama import Model, set_shared_decode, shared_decode_stats
 
     suffixes = [question_block(i, 0)[0] for i in range(cell.n)]
     out = []
     with Model(model) as mdl:
         p_tok = len(mdl.vocab.tokenize(base))
-        params = SharedPrefixEngine.context_params(cell.n, p_tok, QUESTION_TOKENS + 2, cell.gen)
-        params = dataclasses.replace(params, n_threads=threads, n_threads_batch=threads, flash_attn="on")
-        gp = GenerationParams(max_tokens=cell.gen, ignore_eos=True)
+        params, gp = engine_params(cell.n, p_tok, QUESTION_TOKENS, cell.gen, threads, flash_attn="on")
         with SharedPrefixEngine(mdl, params) as eng:
             for name, on in (("engine", False), ("engine_shared_decode", True)):
                 set_shared_decode(on)
@@ -135,12 +133,10 @@ def run_grid(
     repeat: int = 3,
     threads: int = 2,
     model: str | None = None,
-    out_dir: Path = Path("bench/results/decode"),
+    out_dir: Path = RESULTS / "decode",
     say: Callable[[str], None] = log.info,
 ) -> dict[str, Any]:
     """Every (P, N) step cell and the long-answer fan-out, each system on a fresh server, off then on."""
-    from .bench_report import cpu_model
-
     cells = [DecodeCell(p, n, gen) for p in ps for n in ns]
     if fanout:
         cells.append(DecodeCell(fanout[0], fanout[1], fanout[2], "fanout"))
@@ -154,11 +150,7 @@ def run_grid(
             "repeat": repeat,
             "threads": threads,
         },
-        "machine": {
-            "cpu": cpu_model(),
-            "logical_cpus": os.cpu_count(),
-            "load_avg_start": [round(x, 2) for x in os.getloadavg()],
-        },
+        "machine": machine(),
         "systems": {name: s.label for name, s in DECODE_SYSTEMS.items()},
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "cells": [],
@@ -166,7 +158,7 @@ def run_grid(
     bases: dict[int, str] = {}
     for cell in cells:
         if cell.p not in bases:
-            bases[cell.p] = base_for(cell.p, TurnsConfig(1, 1, cell.p, gen, threads, model))
+            bases[cell.p] = base_for(cell.p, model)
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in DECODE_SYSTEMS}
         for _ in range(repeat if cell.kind == "step" else 1):  # off and on alternate, a fresh server each
             for system in DECODE_SYSTEMS.values():
@@ -185,10 +177,10 @@ def run_grid(
     if engine:
         cell = DecodeCell(engine[0], engine[1], gen, "engine")
         if cell.p not in bases:
-            bases[cell.p] = base_for(cell.p, TurnsConfig(1, 1, cell.p, gen, threads, model))
+            bases[cell.p] = base_for(cell.p, model)
         say(f"decode: in-process engine P={cell.p} N={cell.n} G={gen}, off then on ...")
         doc["cells"] += engine_cell(cell, bases[cell.p], threads=threads, model=model)
-    doc["machine"]["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
+    doc["machine"]["load_avg_end"] = load_avg()
     doc["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     write(doc, out_dir)
     return doc
@@ -213,7 +205,7 @@ def same_answers(off: dict[str, Any], on: dict[str, Any]) -> int:
 
 def markdown(doc: dict[str, Any]) -> str:
     """The step table (off, on, on/off) and the fan-out line."""
-    from .report import table
+    from polykv_py.harness.report import table
 
     m = doc["machine"]
     lines = [
@@ -351,9 +343,9 @@ def write(doc: dict[str, Any], out_dir: Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m polykv_py.harness.decode``: the decode step table and the long-answer fan-out."""
+    """``python -m bench.decode``: the decode step table and the long-answer fan-out."""
     ap = argparse.ArgumentParser(
-        prog="polykv-decode", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench.decode", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--p", type=int, nargs="+", default=[256, 4096], help="pool tokens (default 256 4096)")
     ap.add_argument("--n", type=int, nargs="+", default=[1, 4, 16], help="agents (default 1 4 16)")
@@ -371,7 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="runs per system of each step cell, median (default 3)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", "-m")
-    ap.add_argument("--out", type=Path, default=Path("bench/results/decode"))
+    ap.add_argument("--out", type=Path, default=RESULTS / "decode")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     run_grid(

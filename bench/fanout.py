@@ -1,9 +1,9 @@
-"""The fan-out benchmark behind ``polykv bench`` and ``bench/bench_fanout.py``.
+"""The fan-out benchmark: ``python -m bench.fanout`` (``polykv bench`` in a source checkout).
 
 For every N (agents) and P (base context tokens) it runs the same fan-out (S-token
 suffixes, G generated tokens, greedy, ``ignore_eos``) on each system, each on a fresh
 server (``-np``/``-c`` from the system's KV budget, debug KV logging for the cell count).
-The systems are :mod:`polykv_py.harness.systems`' (the stock server in each of its useful
+The systems are :mod:`bench.systems`' (the stock server in each of its useful
 modes, polykv shared and copied), plus ``engine``, the in-process engine
 (:mod:`polykv_py.engine`) in a child process. Reports name the fastest stock system per
 cell ("best stock").
@@ -31,19 +31,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import mean, median
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
-from ..client import AsyncClient
-from ..data import sample_document
-from ..errors import PolykvError
-from ..fanout import Agent, BaseContext, SharedContext
-from ..results import FanoutResult
-from ..server import LlamaServer
-from .bench_report import cpu_model
-from .kvcells import KV_METHOD, KVCellsLog
+from polykv_py.client import AsyncClient
+from polykv_py.data import sample_document
+from polykv_py.errors import PolykvError
+from polykv_py.fanout import Agent, BaseContext, SharedContext
+from polykv_py.harness.kvcells import KV_METHOD, KVCellsLog
+from polykv_py.harness.texts import Detokenize, Tokenize, cut_to_tokens, repeat_to_tokens
+from polykv_py.llama_server import LlamaServer
+from polykv_py.results import FanoutResult
+
+from . import RESULTS
+from .machine import cpu_model, load_avg
 from .systems import SYSTEMS as SERVER_SYSTEMS
 from .systems import System, start_system_server
-from .texts import Detokenize, Tokenize, cut_to_tokens, repeat_to_tokens
+
+if TYPE_CHECKING:  # the engine loads the native extension: only its cells import it
+    from polykv_py.engine import GenerationParams
+    from polykv_py.llama import ContextParams
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +81,7 @@ class BenchConfig:
     capacity_n: dict[str, list[int]] = field(default_factory=dict)  # explicit N to try per system
     capacity_only: bool = False
     cell_timeout: float = 3600.0
-    out_dir: Path = Path("bench/results")
+    out_dir: Path = RESULTS
     model: str | None = None
     quick: bool = False
 
@@ -264,8 +270,9 @@ def run_engine_cell(n: int, p: int, cfg: BenchConfig, base: str, suffixes: list[
         "suffixes": suffixes,
     }
     proc = subprocess.run(
-        [sys.executable, "-m", "polykv_py.harness.benchmark", "--engine-cell", "-"],
+        [sys.executable, "-m", "bench.fanout", "--engine-cell", "-"],
         input=json.dumps(job),
+        env=_child_env(),
         capture_output=True,
         text=True,
         timeout=cfg.cell_timeout,
@@ -276,16 +283,38 @@ def run_engine_cell(n: int, p: int, cfg: BenchConfig, base: str, suffixes: list[
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _child_env() -> dict[str, str]:
+    """The environment of a child ``python -m bench.fanout``: this checkout first on its path, so the child
+    imports the same ``bench`` package however the parent found it (``polykv bench`` or ``python -m``)."""
+    root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
+
+
 def _last_lines(text: str, n: int = 4, limit: int = 600) -> str:
     """The end of an error (a traceback's last lines name the exception), at most ``limit`` characters."""
     return " | ".join(text.strip().splitlines()[-n:])[-limit:]
 
 
+def engine_params(
+    n: int, p: int, s: int, gen: int, threads: int, **context: Any
+) -> tuple[ContextParams, GenerationParams]:
+    """An in-process engine cell's context and generation parameters: N agents over a ``p``-token prefix,
+    suffixes of ``s`` tokens at most (plus a margin of 2), ``gen`` tokens each with
+    EOS ignored, on ``threads`` threads; ``context``: other :class:`~polykv_py.llama.ContextParams` fields."""
+    from polykv_py.engine import GenerationParams, SharedPrefixEngine
+
+    params = SharedPrefixEngine.context_params(n, p, s + 2, gen)
+    params = dataclasses.replace(params, n_threads=threads, n_threads_batch=threads, **context)
+    return params, GenerationParams(max_tokens=gen, ignore_eos=True)
+
+
 def _engine_child(job: Json) -> Json:
     import resource
 
-    from ..engine import GenerationParams, SharedPrefixEngine
-    from ..llama import Model
+    from polykv_py.engine import SharedPrefixEngine
+    from polykv_py.llama import Model
 
     n, gen = job["n"], job["gen"]
     with Model(job["model"]) as model:
@@ -293,9 +322,7 @@ def _engine_child(job: Json) -> Json:
         vocab = model.vocab
         p_tok = len(vocab.tokenize(job["base"]))
         s_tok = max(len(vocab.tokenize(job["base"] + s)) for sfx in job["suffixes"] for s in sfx) - p_tok
-        params = SharedPrefixEngine.context_params(n, p_tok, s_tok + 2, gen)
-        params = dataclasses.replace(params, n_threads=job["threads"], n_threads_batch=job["threads"])
-        gp = GenerationParams(max_tokens=gen, ignore_eos=True)
+        params, gp = engine_params(n, p_tok, s_tok, gen, job["threads"])
         rounds = []
         with SharedPrefixEngine(model, params) as eng:
             for r in range(job["rounds"]):
@@ -426,7 +453,7 @@ def machine_info(cfg: BenchConfig) -> Json:
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "platform": platform.platform(),
         "python": platform.python_version(),
-        "load_avg_start": [round(x, 2) for x in os.getloadavg()],
+        "load_avg_start": load_avg(),
         "threads_per_server": cfg.threads,
     }
 
@@ -448,8 +475,8 @@ class Bench:
 
     def run(self) -> Json:
         cfg = self.cfg
-        from ..models import resolve_model
-        from ..native import server_binary
+        from polykv_py.models import resolve_model
+        from polykv_py.native import server_binary
 
         model = resolve_model(cfg.model)
         self.doc = {
@@ -505,7 +532,7 @@ class Bench:
             self.write()
         if cfg.capacity:
             self._capacity()
-        self.doc["machine"]["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
+        self.doc["machine"]["load_avg_end"] = load_avg()
         self.doc["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
         self.write(final=True)
         return self.doc
@@ -536,33 +563,32 @@ class Bench:
             self.doc["config"]["capacity_timeout"] = self.cfg.capacity_timeout
             self.doc["config"]["capacity_n"] = self.cfg.capacity_n
             self.notes.append(
-                f"capacity probe run separately ({time.strftime('%Y-%m-%d %H:%M:%S')}, "
-                f"load average {[round(x, 2) for x in os.getloadavg()]})"
+                f"capacity probe run separately ({time.strftime('%Y-%m-%d %H:%M:%S')}, load average {load_avg()})"
             )
         self._capacity()
-        self.doc["machine"]["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
+        self.doc["machine"]["load_avg_end"] = load_avg()
         self.doc["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
         self.write(final=True)
         return self.doc
 
     def write(self, final: bool = False) -> None:
-        from . import bench_report
+        from . import fanout_report
 
         out = self.cfg.out_dir
         out.mkdir(parents=True, exist_ok=True)
         self.doc.update({"cells": self.cells, "capacity": self.capacity, "notes": self.notes})
         (out / "fanout.json").write_text(json.dumps(self.doc, indent=2))
-        (out / "fanout.md").write_text(bench_report.markdown(self.doc))
+        (out / "fanout.md").write_text(fanout_report.markdown(self.doc))
         if final:
-            png = bench_report.plot(self.doc, out / "fanout.png")
+            png = fanout_report.plot(self.doc, out / "fanout.png")
             if png is None:
                 self.notes.append("no PNG: matplotlib is not installed (pip install 'polykv[bench]')")
-                (out / "fanout.md").write_text(bench_report.markdown(self.doc))
+                (out / "fanout.md").write_text(fanout_report.markdown(self.doc))
                 (out / "fanout.json").write_text(json.dumps(self.doc, indent=2))
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    """The benchmark's options (shared by ``polykv bench`` and ``bench/bench_fanout.py``)."""
+    """The benchmark's options."""
     ap.add_argument("--quick", action="store_true", help="N in {1,2,4,8}, P=2048, short capacity probe")
     ap.add_argument("--n", type=int, nargs="+", help="agent counts (default 1 2 4 8 16)")
     ap.add_argument("--p", type=int, nargs="+", help="base context tokens (default 512 2048 4096)")
@@ -582,7 +608,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         help="run only the capacity probe (keeps the grid of fanout.json in --out)",
     )
     ap.add_argument("--model", "-m", help="GGUF path (default: the default model)")
-    ap.add_argument("--out", default="bench/results", help="output folder (default bench/results)")
+    ap.add_argument("--out", default=str(RESULTS), help="output folder (default: bench/results of this checkout)")
+    ap.add_argument(
+        "--restart",
+        action="store_true",
+        help="the restart scenario instead (bench/restart.py: a saved pool restored after a restart vs the stock "
+        "server cold and restoring its own slot files; --n, --p, --threads, --model; writes OUT/restart)",
+    )
     ap.add_argument("--engine-cell", help=argparse.SUPPRESS)
 
 
@@ -617,10 +649,17 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    """Run the benchmark (or, internally, one engine cell) for parsed arguments."""
+    """Run the benchmark (or the restart scenario, or internally one engine cell) for parsed arguments."""
     if args.engine_cell:
         job = json.loads(sys.stdin.read() if args.engine_cell == "-" else args.engine_cell)
         sys.stdout.write(json.dumps(_engine_child(job)) + "\n")  # the cell's result, read by the parent
+        return 0
+    if args.restart:
+        from . import restart
+
+        rcfg = restart.RestartConfig(threads=args.threads, model=args.model, out_dir=Path(args.out) / "restart")
+        rcfg.ns, rcfg.ps = args.n or rcfg.ns, args.p or rcfg.ps
+        restart.run(rcfg)
         return 0
     cfg = config_from_args(args)
     bench = Bench(cfg)
@@ -632,24 +671,23 @@ def run_from_args(args: argparse.Namespace) -> int:
     return 0
 
 
+def build_parser(prog: str = "python -m bench.fanout") -> argparse.ArgumentParser:
+    """The benchmark's command line (``prog``: how the help names it, e.g. ``polykv bench``)."""
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(ap)
+    return ap
+
+
 def parse_args(argv: Sequence[str] | None) -> BenchConfig | None:
     """The configuration for command-line arguments (None for an internal engine cell)."""
-    ap = argparse.ArgumentParser(
-        prog="polykv bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_arguments(ap)
-    args = ap.parse_args(argv)
+    args = build_parser().parse_args(argv)
     return None if args.engine_cell else config_from_args(args)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m bench.fanout") -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    ap = argparse.ArgumentParser(
-        prog="polykv bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_arguments(ap)
-    return run_from_args(ap.parse_args(argv))
+    return run_from_args(build_parser(prog).parse_args(argv))
 
 
 if __name__ == "__main__":

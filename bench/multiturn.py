@@ -4,7 +4,7 @@ N agents each run T turns over one base context of about P tokens (the sample de
 document, package data). Turn t of agent i sends the base, the agent's own transcript so
 far (its earlier questions and answers) and a new question about the base
 (:data:`polykv_py.data.questions.QUESTIONS`), and generates G greedy tokens. The same
-turns run on each :mod:`~polykv_py.harness.systems` system, on a fresh server per cell:
+turns run on each :mod:`~bench.systems` system, on a fresh server per cell:
 
 - at the *sharing* KV budget (``patched``, ``stock_queued``): the base once plus every
   agent's transcript, so the stock server can hold only a few whole prompts and queues;
@@ -21,7 +21,6 @@ import asyncio
 import json
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,15 +28,18 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from ..client import AsyncClient
-from ..data.questions import QUESTIONS
-from ..errors import PolykvError
-from ..fanout import Agent, BaseContext, SharedContext
-from ..native import ServerKind
-from ..results import FanoutResult
-from ..server import LlamaServer
-from .benchmark import base_text, round_up
-from .kvcells import KVCellsLog
+from polykv_py.client import AsyncClient
+from polykv_py.data.questions import QUESTIONS
+from polykv_py.errors import PolykvError
+from polykv_py.fanout import Agent, BaseContext, SharedContext
+from polykv_py.harness.kvcells import KVCellsLog
+from polykv_py.llama_server import LlamaServer
+from polykv_py.native import ServerKind
+from polykv_py.results import FanoutResult
+
+from . import RESULTS
+from .fanout import base_text, round_up
+from .machine import load_avg, machine
 from .systems import SYSTEMS, System, best_stock, start_system_server
 
 log = logging.getLogger(__name__)
@@ -174,10 +176,11 @@ def run_cell(system_name: str, cfg: TurnsConfig, base: str) -> dict[str, Any]:
 CHECKPOINTS = (1, 4, 16)
 
 
-def base_for(p: int, cfg: TurnsConfig) -> str:
-    """A base of about ``p`` tokens (the sample document repeated and cut), tokenized by a small server."""
+def base_for(p: int, model: str | None = None) -> str:
+    """A base of about ``p`` tokens (the sample document repeated and cut), tokenized by a small server
+    of ``model`` (default: the default model)."""
     with LlamaServer(
-        kind=ServerKind.UPSTREAM, model=cfg.model, args=["-np", "1", "-c", "512"], threads=1, name="turns-tokenizer"
+        kind=ServerKind.UPSTREAM, model=model, args=["-np", "1", "-c", "512"], threads=1, name="turns-tokenizer"
     ) as srv:
         return base_text(p, srv.client.tokenize, srv.client.detokenize)
 
@@ -191,13 +194,11 @@ def run_grid(
     gen: int = 32,
     threads: int = 2,
     model: str | None = None,
-    out_dir: Path = Path("bench/results/turns"),
+    out_dir: Path = RESULTS / "turns",
     say: Callable[[str], None] = log.info,
     timeout: float = 7200.0,
 ) -> dict[str, Any]:
     """Every (P, N, system) cell for ``turns`` turns; writes turns.json and turns.md after each cell."""
-    from .bench_report import cpu_model
-
     doc: dict[str, Any] = {
         "config": {
             "ns": list(ns),
@@ -208,17 +209,13 @@ def run_grid(
             "threads": threads,
             "question_tokens_max": QUESTION_TOKENS,
         },
-        "machine": {
-            "cpu": cpu_model(),
-            "logical_cpus": os.cpu_count(),
-            "load_avg_start": [round(x, 2) for x in os.getloadavg()],
-        },
+        "machine": machine(),
         "systems": {name: SYSTEMS[name].label for name in systems},
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "cells": [],
     }
     for p in ps:
-        base = base_for(p, TurnsConfig(1, 1, p, gen, threads, model))
+        base = base_for(p, model)
         for n in ns:
             cfg = TurnsConfig(n, turns, p, gen, threads, model, timeout)
             for name in systems:
@@ -233,7 +230,7 @@ def run_grid(
                 doc["cells"].append(cell)
                 say(f"turns: {name} N={n} P={p}: {cell.get('wall_s', 'error')} s in {time.perf_counter() - t0:.0f} s")
                 write(doc, out_dir)
-    doc["machine"]["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
+    doc["machine"]["load_avg_end"] = load_avg()
     doc["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     write(doc, out_dir)
     return doc
@@ -255,7 +252,7 @@ def _cumulative(cell: dict[str, Any], t: int, key: str) -> float | None:
 
 def markdown(doc: dict[str, Any]) -> str:
     """One table per (P, N): each system's cumulative wall time and work after 1, 4 and 16 turns."""
-    from .report import ratio, table
+    from polykv_py.harness.report import ratio, table
 
     lines = [
         "# Multi-turn agents over one base",
@@ -326,9 +323,9 @@ def markdown(doc: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m polykv_py.harness.multiturn``: run the multi-turn grid."""
+    """``python -m bench.multiturn``: run the multi-turn grid."""
     ap = argparse.ArgumentParser(
-        prog="polykv-turns", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench.multiturn", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--n", type=int, nargs="+", default=[4, 16], help="agents (default 4 16)")
     ap.add_argument("--turns", type=int, default=16, help="turns per agent (default 16)")
@@ -337,7 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--gen", type=int, default=32, help="greedy tokens per answer (default 32)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", "-m")
-    ap.add_argument("--out", type=Path, default=Path("bench/results/turns"))
+    ap.add_argument("--out", type=Path, default=RESULTS / "turns")
     ap.add_argument(
         "--cell-timeout", type=float, default=7200.0, help="seconds one system may take for a cell (default 7200)"
     )

@@ -172,15 +172,22 @@ def _read_header(path: str | os.PathLike[str]) -> tuple[dict[str, Any], int]:
             (n,) = struct.unpack("<I", head[len(MAGIC) :])
             if n > MAX_HEADER:
                 raise StateError(f"{path}: damaged file (header length {n} beyond {MAX_HEADER})")
-            header = json.loads(f.read(n))
+            raw = f.read(n)
     except OSError as exc:
         raise StateError(f"cannot read prefix file {path}: {exc}") from exc
+    return _decode_header(path, raw), len(MAGIC) + 4 + n
+
+
+def _decode_header(path: str | os.PathLike[str], raw: bytes) -> dict[str, Any]:
+    """The JSON header of a readable format, or :class:`StateError`."""
+    try:
+        header = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise StateError(f"{path}: corrupt prefix header ({type(exc).__name__})") from exc
     if not isinstance(header, dict) or header.get("format") not in READ_FORMATS:
         fmt = header.get("format") if isinstance(header, dict) else "?"
-        raise StateError(f"{path}: unsupported prefix file format {fmt}")
-    return header, len(MAGIC) + 4 + n
+        raise StateError(f"{path}: unsupported prefix file format {fmt} (this version reads {READ_FORMATS})")
+    return header
 
 
 def read_prefix_file(
@@ -274,11 +281,4 @@ def _read_verified(path: str | os.PathLike[str]) -> tuple[dict[str, Any], bytes]
     offset = len(MAGIC) + 4 + n
     if n > MAX_HEADER or offset > len(raw) - MAC_BYTES:
         raise StateError(f"{path}: damaged file (header length beyond the file)")
-    try:
-        header = json.loads(raw[len(MAGIC) + 4 : offset])
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        raise StateError(f"{path}: corrupt prefix header ({type(exc).__name__})") from exc
-    if not isinstance(header, dict) or header.get("format") not in READ_FORMATS:
-        fmt = header.get("format") if isinstance(header, dict) else "?"
-        raise StateError(f"{path}: unsupported prefix file format {fmt} (this version reads {READ_FORMATS})")
-    return header, raw[offset:-MAC_BYTES]
+    return _decode_header(path, raw[len(MAGIC) + 4 : offset]), raw[offset:-MAC_BYTES]

@@ -29,6 +29,9 @@ json server_shared_prefix_outcome::to_json() const {
     if (!reason.empty()) {
         res["reason"] = reason;
     }
+    if (waited) {
+        res["waited"] = true;
+    }
     return res;
 }
 
@@ -39,8 +42,8 @@ polykv_share_decision polykv_share_decide(const polykv_share_input & in, int n_p
 
     out.pool_slot = in.pool_slot;
     out.requested = in.auto_n ? 0 : in.requested;
-    out.requested_given = !in.auto_n;
-    out.auto_kind = in.auto_pool ? "pool" : in.auto_n ? "prefix" : "";
+    out.requested_given = !in.auto_n && !in.auto_any;
+    out.auto_kind = in.auto_any ? "any" : in.auto_pool ? "pool" : in.auto_n ? "prefix" : "";
 
     const int id_pool = out.pool_slot;
     int n_req = std::min<int>(out.requested, (int) in.tokens->size());
@@ -188,6 +191,8 @@ void polykv_share_record(server_metrics & metrics, const server_shared_prefix_ou
     metrics.polykv_n_requests++;
     if (out.auto_kind == "pool") {
         metrics.polykv_n_auto++;
+    } else if (out.auto_kind == "any") {
+        metrics.polykv_n_any++;
     }
     metrics.polykv_n_status[out.status]++;
     if (out.is_share()) {
@@ -330,6 +335,14 @@ void polykv_write_metrics(const server_metrics & metrics, std::ostream & prometh
             "polykv: requests that shared from a pool chosen by --pool-auto (also in polykv_share_requests_total)",
             (double) metrics.polykv_n_auto
         }, {
+            "polykv_share_any_total",
+            "polykv: requests that shared a prefix another slot had computed, chosen by --share-any (also in polykv_share_requests_total)",
+            (double) metrics.polykv_n_any
+        }, {
+            "polykv_share_waits_total",
+            "polykv: requests whose prompt waited for another slot to compute their common prefix (--share-any coalescing)",
+            (double) metrics.polykv_n_waits
+        }, {
             "polykv_shared_tokens_total",
             "polykv: prompt tokens whose KV came from a pool slot instead of being computed",
             (double) metrics.polykv_n_shared_tokens
@@ -399,6 +412,105 @@ int polykv_auto_pool(const std::vector<polykv_pool_candidate> & pools, const ser
         }
     }
     return best_n >= std::max<int32_t>(min_tokens, 1) ? best : -1;
+}
+
+int polykv_pick_slot(const std::vector<polykv_slot_view> & slots, const server_tokens & tokens) {
+    int     best      = -1;
+    size_t  best_loss = 0;
+    size_t  best_lcp  = 0;
+    int64_t best_t    = 0;
+    for (const auto & s : slots) {
+        if (s.busy || s.reserved || s.cached == nullptr) {
+            continue;
+        }
+        const size_t lcp  = s.cached->get_common_prefix(tokens);
+        const size_t loss = s.cached->size() - lcp;
+        const bool better = best < 0 || loss < best_loss || (loss == best_loss && lcp > best_lcp) ||
+                            (loss == best_loss && lcp == best_lcp && s.t_last_used < best_t);
+        if (better) {
+            best      = s.id;
+            best_loss = loss;
+            best_lcp  = lcp;
+            best_t    = s.t_last_used;
+        }
+    }
+    return best;
+}
+
+bool polykv_origin_matches(const polykv_cells_origin & origin, const std::string & salt,
+                           const std::vector<common_adapter_lora_info> & lora) {
+    return origin.salt_ok && origin.salt == salt && origin.lora_ok && !lora_all_alora(lora) && are_lora_equal(origin.lora, lora);
+}
+
+polykv_any_source polykv_share_any_source(const std::vector<polykv_slot_view> & others, const server_tokens & tokens,
+                                          const std::string & salt, const std::vector<common_adapter_lora_info> & lora,
+                                          int32_t min_tokens, llama_context * ctx) {
+    polykv_any_source best;
+    const int32_t n_max = (int32_t) tokens.size() - 1;
+    if (n_max < std::max<int32_t>(min_tokens, 1) || tokens.has_mtmd) {
+        return best;
+    }
+    auto * mem = llama_get_memory(ctx);
+    for (const auto & s : others) {
+        if (s.cached == nullptr || s.origin == nullptr || !polykv_origin_matches(*s.origin, salt, lora)) {
+            continue;
+        }
+        int32_t n = std::min<int32_t>((int32_t) s.cached->get_common_prefix(tokens), n_max);
+        if (n < std::max<int32_t>(min_tokens, 1) || n <= best.n) {
+            continue;
+        }
+        // only cells the sequence holds: a prefilling slot's tokens include those of the batch not decoded yet
+        if (llama_memory_seq_pos_min(mem, s.id) != 0) {
+            continue;
+        }
+        n = std::min<int32_t>(n, (int32_t) llama_memory_seq_pos_max(mem, s.id) + 1);
+        if (n >= std::max<int32_t>(min_tokens, 1) && n > best.n) {
+            best.id = s.id;
+            best.n  = n;
+        }
+    }
+    return best;
+}
+
+bool polykv_share_any_init(common_params & params_base, const char * unsupported) {
+    if (!params_base.share_any) {
+        return true;
+    }
+    if (!params_base.kv_unified) {
+        SRV_ERR("%s", "--share-any needs unified KV (-kvu): a share adds the task's sequence id to cells another slot computed\n");
+        return false;
+    }
+    if (unsupported == nullptr && params_base.ctx_shift) {
+        unsupported = "context shift enabled";
+    }
+    if (unsupported != nullptr) {
+        SRV_WRN("--share-any: no prefix can be shared here (%s) - option off\n", unsupported);
+        params_base.share_any = false;
+        return true;
+    }
+    SRV_INF("polykv: --share-any on: a prompt shares the longest computed prefix (>= %d tokens) any slot of its cache_salt "
+            "and LoRA set holds, and waits for a slot that is computing one; idle slots are kept resident\n",
+            params_base.pool_auto_min_tokens);
+    return true;
+}
+
+bool polykv_share_any_wait(const std::vector<polykv_slot_view> & others, const server_tokens & tokens,
+                           const std::string & salt, const std::vector<common_adapter_lora_info> & lora,
+                           int32_t min_tokens, int32_t n_now) {
+    const int32_t n_max = (int32_t) tokens.size() - 1;
+    if (n_max < std::max<int32_t>(min_tokens, 1) || n_now >= n_max || tokens.has_mtmd) {
+        return false;
+    }
+    for (const auto & s : others) {
+        if (!s.prefilling || s.task_tokens == nullptr || s.origin == nullptr || !polykv_origin_matches(*s.origin, salt, lora)) {
+            continue;
+        }
+        const int32_t n = std::min<int32_t>((int32_t) s.task_tokens->get_common_prefix(tokens), n_max);
+        if (n >= min_tokens && n > n_now) {
+            return true;
+        }
+    }
+    return false;
 }
 
 void polykv_check_schedulable(const task_params & params, int id_slot, const common_params & params_base) {
@@ -523,13 +635,14 @@ void polykv_add_props(json & props, const common_params & params_base, const pol
     if (params_base.polykv_shared_decode) {
         props["polykv_shared_decode"] = polykv_shared_decode_state();
     }
-    if (params_base.pool_slots.empty()) {
+    if (params_base.pool_slots.empty() && !params_base.share_any) {
         return;
     }
     props["polykv"] = json {
         {"pool_slots",           params_base.pool_slots},
         {"pool_auto",            params_base.pool_auto},
         {"pool_auto_min_tokens", params_base.pool_auto_min_tokens},
+        {"share_any",            params_base.share_any},
         {"pool_files",           files ? files->identity() : json(nullptr)},
     };
 }

@@ -22,11 +22,13 @@ struct server_shared_prefix_outcome {
     int32_t     pool_slot = -1; // -1: the request did not opt in, nothing is reported
     int32_t     requested = 0;  // shared_prefix_n_tokens as sent
     bool        requested_given = true; // false: P was not given (reported as null), the server computed it
-    std::string auto_kind;      // "prefix" (P computed), "pool" (pool and P chosen by --pool-auto), "" (both given)
+    std::string auto_kind;      // "prefix" (P computed), "pool" (pool and P chosen by --pool-auto), "any" (a slot and P
+                                // chosen by --share-any), "" (both given)
     int32_t     shared    = 0;  // prompt tokens whose KV came from the pool slot and were not computed
     int32_t     common    = -1; // on "mismatch": number of leading tokens the pool slot does have in common
     std::string status;         // see docs: hit, copied, own_cache, not_resident, mismatch, salt_mismatch, pool_busy, self, unsupported, no_prefix, skipped
     std::string reason;         // on "unsupported": why
+    bool        waited    = false; // --share-any: the prompt waited for another slot to compute the common prefix
 
     bool opted_in() const { return pool_slot >= 0; }
     bool is_share() const { return status == "hit" || status == "copied"; }
@@ -43,6 +45,7 @@ struct polykv_share_input {
     int32_t requested = 0;  // task.params.shared_prefix_n_tokens
     bool    auto_n    = false; // P not given: share the longest common prefix of the pool's tokens and the prompt
     bool    auto_pool = false; // the pool was chosen by --pool-auto (implies auto_n)
+    bool    auto_any  = false; // the source slot and P were chosen by --share-any (P verified as if given)
     int32_t auto_min  = 0;     // auto_n on a named pool: a common prefix shorter than this (and than the pool's
                                // tokens) is a "mismatch", not a share of a few tokens (--pool-auto-min-tokens)
     bool    salt_differs = false; // the pool's cells were computed under another cache_salt (or salts are mixed)
@@ -103,6 +106,56 @@ struct polykv_pool_candidate {
 int polykv_auto_pool(const std::vector<polykv_pool_candidate> & pools, const server_tokens & tokens,
                      const std::string & salt, int32_t min_tokens);
 
+// --share-any (patch 0077): what the scheduler knows about one slot, gathered by server_context (its slots are
+// private to server-context.cpp)
+struct polykv_slot_view {
+    int                         id          = -1;
+    const server_tokens *       cached      = nullptr; // the tokens whose cells the slot holds (prompt.tokens)
+    const server_tokens *       task_tokens = nullptr; // the running task's prompt, nullptr when idle
+    const polykv_cells_origin * origin      = nullptr;
+    bool                        busy        = false;   // running a task
+    bool                        prefilling  = false;   // computing its prompt (PROCESSING_PROMPT or DONE_PROMPT: its last
+                                                       // batch is not decoded yet)
+    bool                        reserved    = false;   // --pool-slots
+    int64_t                     t_last_used = -1;
+};
+
+// --share-any: the idle, unreserved slot a new unpinned task should run on, or -1 (upstream's choice then).
+// The task keeps what it takes from the slot (common prefix) and destroys the rest of its cache, which other
+// tasks may still want (an agent's own history): so the slot that loses the fewest cached tokens wins (an empty
+// slot or one the prompt extends loses none), then the longest common prefix, then the least recently used.
+int polykv_pick_slot(const std::vector<polykv_slot_view> & slots, const server_tokens & tokens);
+
+// --share-any: a computed prefix another slot holds
+struct polykv_any_source {
+    int     id = -1; // the slot, -1: none
+    int32_t n  = 0;  // its cells [0, n) are computed and hold the prompt's first n tokens
+};
+
+// May cells computed under this origin be shared into a task of this salt and LoRA set?
+bool polykv_origin_matches(const polykv_cells_origin & origin, const std::string & salt,
+                           const std::vector<common_adapter_lora_info> & lora);
+
+// --share-any: among the other slots whose cells were computed under this salt and LoRA set (busy or idle, reserved
+// or not), the one holding the longest computed prefix of the prompt (capped at n_prompt - 1, checked against the
+// sequence's positions, so cells a prefilling slot has not computed yet are never counted), if >= min_tokens.
+polykv_any_source polykv_share_any_source(const std::vector<polykv_slot_view> & others, const server_tokens & tokens,
+                                          const std::string & salt, const std::vector<common_adapter_lora_info> & lora,
+                                          int32_t min_tokens, llama_context * ctx);
+
+// --share-any at start: false (logged) without unified KV (a share adds a sequence id to computed cells); where no
+// share is ever possible (the reason, as polykv_share_decide() would report it), a warning and the option off.
+bool polykv_share_any_init(common_params & params_base, const char * unsupported);
+
+// --share-any coalescing: should a task whose prompt is about to start wait for another slot that is computing
+// (prefilling) a longer common prefix of its prompt? Yes if that slot's prompt shares at least min_tokens more
+// tokens with this one than the task can get now (own cache n_past, or the best computed source n_now): it then
+// stays in SLOT_STATE_STARTED and shares once those cells are computed. A waiting slot is never a leader (it is not
+// prefilling), so waits cannot form a cycle; if the leader ends early, the next pass shares what it computed.
+bool polykv_share_any_wait(const std::vector<polykv_slot_view> & others, const server_tokens & tokens,
+                           const std::string & salt, const std::vector<common_adapter_lora_info> & lora,
+                           int32_t min_tokens, int32_t n_now);
+
 // Request checks made when the tasks are created (HTTP 400 with the message, nothing queued): a request the
 // scheduler could never place (n_cmpl larger than the unreserved slots; an unpinned sharer whose only
 // eligible slots are reserved or its own pool) would otherwise wait forever.
@@ -114,8 +167,8 @@ void polykv_check_pool_slot(int32_t id, const common_params & params_base);
 // cache_salt: a string of 1..256 characters, else std::invalid_argument.
 std::string polykv_json_salt(const json & v);
 
-// /props: "polykv": {"pool_slots": [...], "pool_auto": bool, "pool_auto_min_tokens": N, "pool_files": {...}} when
-// --pool-slots is given ("pool_files": what a pool file must match, polykv_pool_files::identity(), patch 0075).
+// /props: "polykv": {"pool_slots": [...], "pool_auto": bool, "pool_auto_min_tokens": N, "share_any": bool,
+// "pool_files": {...}} when --pool-slots or --share-any is given ("pool_files": what a pool file must match, polykv_pool_files::identity(), patch 0075).
 class polykv_pool_files;
 void polykv_add_props(json & props, const common_params & params_base, const polykv_pool_files * files);
 

@@ -41,6 +41,7 @@ class ClusterConfig:
     alias: str = DEFAULT_MODEL
     pool_auto: bool = True
     shared_decode: bool = True
+    share_any: bool = True
     track_kv: bool = False
     extra_args: tuple[str, ...] = ()
     gateway: GatewayOptions = field(default_factory=GatewayOptions)
@@ -77,6 +78,7 @@ class Cluster:
                 slot_actions=True,
                 slot_save_path=save_path,
                 shared_decode=cfg.shared_decode,
+                share_any=cfg.share_any,
                 extra_args=["--alias", cfg.alias, *cfg.extra_args],
                 threads=cfg.threads,
                 model=cfg.model,

@@ -49,6 +49,13 @@ SHARED_DECODE = "--shared-decode"
 #: The opt-out (a later flag wins over an earlier one on llama-server's command line).
 NO_SHARED_DECODE = "--no-shared-decode"
 
+#: polykv's zero-config sharing (patch 0077): a prompt shares the longest computed prefix any slot of its
+#: cache_salt holds and waits for a slot computing one; on in ``polykv serve``, ``polykv run``, ``polykv cluster``
+#: and the benchmarks' polykv systems; the server binary's own default stays off.
+SHARE_ANY = "--share-any"
+#: The opt-out (a later flag wins).
+NO_SHARE_ANY = "--no-share-any"
+
 #: polykv's flag: a plain request (no pool field, not pinned) shares the reserved pool that has the longest
 #: common prefix with its prompt (``shared_prefix.auto == "pool"``). Only newer patched servers know it.
 POOL_AUTO = "--pool-auto"
@@ -60,7 +67,7 @@ SERVE_AGENT_SLOTS = 8
 #: Flags ``polykv serve`` adds unless the user passes ``--no-defaults`` (its pools: :func:`serve_pool_args`).
 SERVE_DEFAULTS = (
     *POOL_SERVER_ARGS[:-1], "-c", str(SERVE_CTX),
-    "-t", str(min(os.cpu_count() or 2, 8)), "--metrics", "--slots", SHARED_DECODE,
+    "-t", str(min(os.cpu_count() or 2, 8)), "--metrics", "--slots", SHARED_DECODE, SHARE_ANY,
 )  # fmt: skip
 
 
@@ -110,6 +117,7 @@ def pool_server(
     env: Mapping[str, str] | None = None,
     slot_save_path: str | None = None,
     shared_decode: bool = False,
+    share_any: bool = False,
     **launch: Any,
 ) -> LlamaServer:
     """A fan-out server: ``n_agents_parallel`` agent slots plus the pool slot ``pool_slot``.
@@ -120,7 +128,8 @@ def pool_server(
     ``kind="upstream"`` gives the reference server with the same flags (its own flag names).
     ``slot_save_path``: the ``--slot-save-path`` (a :class:`~polykv_py.pools.PoolCache`'s
     ``save_path``); default a fresh directory. ``shared_decode``: ``--shared-decode`` (patched only;
-    off here so that tests compare upstream's kernel unless they ask; ``polykv run`` turns it on).
+    off here so that tests compare upstream's kernel unless they ask; ``polykv run`` turns it on);
+    ``share_any``: ``--share-any`` likewise (upstream's slot choice unless asked).
     ``launch`` goes to :class:`~polykv_py.llama_server.LlamaServer` (``binary``, ``log_dir``, ``api_key`` ...).
     """
     kind = ServerKind.of(kind)
@@ -130,6 +139,8 @@ def pool_server(
     args = [*recipe, *slots_args(n_agents_parallel + 1, ctx), *slot_actions_args(slot_save_path), *reserve]
     if patched and shared_decode:
         args.append(SHARED_DECODE)
+    if patched and share_any:
+        args.append(SHARE_ANY)
     return custom_server(kind, args, extra_args=extra_args, track_kv=track_kv, model=model, threads=threads, name=name,
                          env=env, **launch)  # fmt: skip
 
@@ -143,6 +154,7 @@ def serve_server(
     slot_actions: bool = False,
     slot_save_path: str | None = None,
     shared_decode: bool = True,
+    share_any: bool = True,
     extra_args: Sequence[str] = (),
     threads: int | None = None,
     name: str = "polykv-serve",
@@ -150,7 +162,7 @@ def serve_server(
 ) -> LlamaServer:
     """The patched server as ``polykv serve --pool ...`` starts it (``n_pools`` reserved pools,
     ``agent_slots`` more slots, ``ctx`` KV cells, ``--pool-auto``, ``--shared-decode`` unless
-    ``shared_decode`` is False), on a free loopback port.
+    ``shared_decode`` is False, ``--share-any`` unless ``share_any`` is False), on a free loopback port.
 
     Prime its pools with :func:`polykv_py.serve.prime_pools`, as ``polykv serve`` does.
     ``slot_actions`` adds ``--slot-save-path`` (erasing slots, for tests); ``slot_save_path`` sets it
@@ -158,6 +170,7 @@ def serve_server(
     """
     args = [*POOL_SERVER_ARGS, "-c", str(ctx), *serve_pool_args(n_pools, agent_slots, pool_auto=pool_auto)]
     args.append(SHARED_DECODE if shared_decode else NO_SHARED_DECODE)
+    args.append(SHARE_ANY if share_any else NO_SHARE_ANY)
     if slot_actions or slot_save_path:
         args += slot_actions_args(slot_save_path)
     return custom_server(ServerKind.PATCHED, args, extra_args=extra_args, threads=threads, name=name, **launch)

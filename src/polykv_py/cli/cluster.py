@@ -27,6 +27,7 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         args,  # --replicas, --pools-per-replica, --agent-slots, --ctx, --threads, --model, --alias
         extra_args=tuple(args.server_arg or ()),
         shared_decode=not args.no_shared_decode,
+        share_any=not args.no_share_any,
         gateway=options_from_args(GatewayOptions, args),  # --policy, --assignment-mode
     )
 
@@ -123,6 +124,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--server-arg", action="append", help="extra llama-server flag for every replica (repeatable)")
     p.add_argument(
         "--no-shared-decode", action="store_true", help="replicas decode with upstream's attention kernel (default: on)"
+    )
+    p.add_argument(
+        "--no-share-any", action="store_true", help="replicas share only declared pools (default: --share-any, any prefix)"
     )
     p.add_argument("--no-restart-dead", dest="restart_dead", action="store_false", help="leave dead replicas down")
     p.add_argument("--watch-interval", type=float, default=2.0, help=argparse.SUPPRESS)

@@ -345,6 +345,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 track_kv=not args.no_kv,
                 slot_save_path=pool_cache.save_path if pool_cache else None,
                 shared_decode=not args.no_shared_decode,
+                share_any=not args.no_share_any,
             )
             progress._say(
                 f"starting the patched llama-server ({parallel} agent slots + 1 pool slot, -c {args.ctx}) ...",
@@ -459,6 +460,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--no-shared-decode",
         action="store_true",
         help="a started server decodes with upstream's attention kernel (default: --shared-decode)",
+    )
+    p.add_argument(
+        "--no-share-any",
+        action="store_true",
+        help="a started server shares only the declared pool, not prefixes other slots computed (default: --share-any)",
     )
     p.add_argument(
         "--compare",

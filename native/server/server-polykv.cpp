@@ -414,7 +414,8 @@ int polykv_auto_pool(const std::vector<polykv_pool_candidate> & pools, const ser
     return best_n >= std::max<int32_t>(min_tokens, 1) ? best : -1;
 }
 
-int polykv_pick_slot(const std::vector<polykv_slot_view> & slots, const server_tokens & tokens) {
+int polykv_pick_slot(const std::vector<polykv_slot_view> & slots, const server_tokens & tokens, const std::string & salt,
+                     const std::vector<common_adapter_lora_info> & lora) {
     int     best      = -1;
     size_t  best_loss = 0;
     size_t  best_lcp  = 0;
@@ -423,7 +424,8 @@ int polykv_pick_slot(const std::vector<polykv_slot_view> & slots, const server_t
         if (s.busy || s.reserved || s.cached == nullptr) {
             continue;
         }
-        const size_t lcp  = s.cached->get_common_prefix(tokens);
+        const bool   same = s.origin != nullptr && polykv_origin_matches(*s.origin, salt, lora);
+        const size_t lcp  = same ? s.cached->get_common_prefix(tokens) : 0;
         const size_t loss = s.cached->size() - lcp;
         const bool better = best < 0 || loss < best_loss || (loss == best_loss && lcp > best_lcp) ||
                             (loss == best_loss && lcp == best_lcp && s.t_last_used < best_t);

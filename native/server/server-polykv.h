@@ -82,10 +82,10 @@ struct polykv_cells_origin {
     bool lora_ok = true; // false: cells computed under different LoRA sets or scales
 };
 
-// A task's prompt starts on a slot whose cache matched n_past tokens. For a reserved pool (is_pool) whose cells
-// were computed under another salt or LoRA set, n_past becomes 0 (the pool recomputes its prompt under the new
-// one); for another slot the origin is marked mixed instead (upstream's own cache reuse is left alone). Then the
-// origin is the task's salt and LoRA set.
+// A task's prompt starts on a slot whose cache matched n_past tokens. For a reserved pool (is_pool), and for every
+// slot with --share-any (isolation as in vLLM), whose cells were computed under another salt or LoRA set, n_past
+// becomes 0 (the slot recomputes its prompt under the new one); for another slot the origin is marked mixed instead
+// (upstream's own cache reuse is left alone). Then the origin is the task's salt and LoRA set.
 void polykv_origin_update(polykv_cells_origin & origin, bool is_pool, const std::string & salt,
                           const std::vector<common_adapter_lora_info> & lora, int id_slot, int & n_past);
 
@@ -124,7 +124,9 @@ struct polykv_slot_view {
 // The task keeps what it takes from the slot (common prefix) and destroys the rest of its cache, which other
 // tasks may still want (an agent's own history): so the slot that loses the fewest cached tokens wins (an empty
 // slot or one the prompt extends loses none), then the longest common prefix, then the least recently used.
-int polykv_pick_slot(const std::vector<polykv_slot_view> & slots, const server_tokens & tokens);
+// Cells of another salt or LoRA set are not reused (polykv_origin_update), so they count as lost in full.
+int polykv_pick_slot(const std::vector<polykv_slot_view> & slots, const server_tokens & tokens, const std::string & salt,
+                     const std::vector<common_adapter_lora_info> & lora);
 
 // --share-any: a computed prefix another slot holds
 struct polykv_any_source {

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from bench import multiturn
+from bench import multiturn, zeroconfig
 
 pytestmark = pytest.mark.integration
 
@@ -32,3 +34,21 @@ def test_multiturn_stock_queued_runs_at_the_sharing_budget(base: str) -> None:
     patched_cells, _ = multiturn.budget(multiturn.SYSTEMS["patched"], cfg)
     assert cell["ctx"] == patched_cells and cell["slots"] == 1
     assert all(t["n_errors"] == 0 and t["statuses"] == {"not_shared": 2} for t in cell["per_turn"])
+
+
+def test_zeroconfig_plain_openai_requests_share_the_system_message_and_stay_above_the_bounds(tmp_path: Path) -> None:
+    cfg = zeroconfig.ZeroConfig(n=2, prompt_tokens=200, max_tokens=4, ctx=2048, threads=1, tag="t", out_dir=tmp_path)
+    doc = zeroconfig.run(cfg)
+    polykv, stock = doc["runs"]["polykv"]["turns"], doc["runs"]["stock"]["turns"]
+    for t in (*polykv, *stock):
+        assert t["n_errors"] == 0 and t["prompt_token_mismatches"] == 0, t["errors"]
+        # the bound is a lower bound: nothing computes fewer prompt tokens than a perfect prefix cache
+        assert t["prompt_tokens_computed"] >= t["bound_resident_tokens"]
+    # turn 1: no pool declared, yet one agent computes the system message and the other shares it
+    assert polykv[0]["cached_ge_common"] == 1 and stock[0]["cached_ge_common"] == 0
+    assert polykv[0]["prompt_tokens_computed"] < stock[0]["prompt_tokens_computed"]
+    # turn 2 carries the same histories on both servers, so every answer is compared
+    assert doc["history_from"] == "polykv"
+    for turn in doc["comparison"]["per_turn"][:2]:
+        assert sum(turn["answers"]["verdicts"].values()) == 2 and turn["answers"]["verdicts"]["error"] == 0
+    assert (tmp_path / "t.json").is_file() and (tmp_path / "t.md").is_file()

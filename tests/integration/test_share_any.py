@@ -1,0 +1,227 @@
+"""Zero-config sharing (patch 0077, ``--share-any``): no pool declared, the official ``openai`` package.
+
+The patched server is started as ``polykv serve`` starts it without ``--pool`` (presets.serve_server: share-any
+and shared decode on), small: 4 agent slots, 8,192 cells, 2 threads, batches of 128 tokens (so a ~600-token
+system message takes several passes to prefill and concurrent requests meet it half computed). The reference
+server gets the same slots, cells and batch size.
+
+- N concurrent chat requests with one system message and different questions: all but the first report
+  ``cached_tokens`` >= the system message's tokens, the server computes at most the first prompt plus the
+  others' suffixes (+5%), and the answers equal the reference server's under the layout margins of
+  :mod:`polykv_py.harness.compare`; a second turn per agent reuses the agent's whole first prompt;
+- isolation: the same ``cache_salt`` shares, another salt or none does not (no shared_prefix, 0 cached);
+- chaos: the request computing the common prefix is cancelled half-way; the ones waiting for it still answer
+  like the reference and the server stays up;
+- bad start: without unified KV the server refuses ``--share-any``; with context shift it runs with it off.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from polykv_py.client import Client
+from polykv_py.data import sample_document
+from polykv_py.errors import ServerError
+from polykv_py.harness.compare import compare_steps, steps_from_probs
+from polykv_py.harness.texts import repeat_to_tokens
+from polykv_py.llama_server import LlamaServer
+from polykv_py.presets import NO_HOST_CACHE, SHARE_ANY, reference_server, serve_server, slots_args
+
+pytestmark = pytest.mark.integration
+
+AGENTS = 4
+CTX = 8192
+BATCH = ("-b", "128", "-ub", "128")
+SYSTEM_TOKENS = 600
+MAX_TOKENS = 8
+GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": MAX_TOKENS, "logprobs": True, "top_logprobs": 5}
+PROMPT_SLACK = 1.05  # prompt tokens computed may exceed the first prompt + the others' suffixes by 5%
+
+
+@pytest.fixture(scope="module")
+def srv(logs: Path) -> Iterator[LlamaServer]:
+    s = serve_server(0, agent_slots=AGENTS, ctx=CTX, threads=2, extra_args=BATCH, log_dir=logs, name="share-any")
+    with s.start():
+        yield s
+
+
+@pytest.fixture(scope="module")
+def ref(logs: Path) -> Iterator[LlamaServer]:
+    s = reference_server(n_slots=AGENTS, ctx=CTX, threads=2, extra_args=["--metrics", *BATCH], log_dir=logs)
+    with s.start():
+        yield s
+
+
+@pytest.fixture(scope="module")
+def system(srv: LlamaServer) -> str:
+    with Client(srv.url) as c:
+        return repeat_to_tokens(sample_document(), SYSTEM_TOKENS, c.tokenize, c.detokenize)
+
+
+def oai(server: LlamaServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
+
+
+def ask(server: LlamaServer, messages: list[dict[str, str]], **extra: Any) -> dict[str, Any]:
+    resp = oai(server).chat.completions.create(model="m", messages=messages, **GREEDY, **extra)  # type: ignore[call-overload]
+    return resp.model_dump()  # type: ignore[no-any-return]
+
+
+def ask_all(server: LlamaServer, conversations: list[list[dict[str, str]]], **extra: Any) -> list[dict[str, Any]]:
+    with ThreadPoolExecutor(len(conversations)) as ex:
+        return list(ex.map(lambda m: ask(server, m, **extra), conversations))
+
+
+def cached(answer: dict[str, Any]) -> int:
+    return int(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def computed(server: LlamaServer) -> float:
+    with Client(server.url) as c:
+        return c.metrics()["llamacpp:prompt_tokens_total"]
+
+
+def counter(server: LlamaServer, name: str) -> float:
+    with Client(server.url) as c:
+        return c.metrics().get(f"llamacpp:{name}", 0.0)
+
+
+def common_prefix(server: LlamaServer, a: list[dict[str, str]], b: list[dict[str, str]]) -> int:
+    """Tokens two chat requests' rendered prompts have in common."""
+    with Client(server.url) as c:
+        ta, tb = (c.prompt_tokens(c.apply_template(m)) for m in (a, b))
+    n = 0
+    while n < min(len(ta), len(tb)) and ta[n] == tb[n]:
+        n += 1
+    return n
+
+
+def assert_same_answers(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> None:
+    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        ca, cb = a["choices"][0], b["choices"][0]
+        cmp = compare_steps(
+            steps_from_probs(ca["logprobs"]["content"]),
+            steps_from_probs(cb["logprobs"]["content"]),
+            text_a=ca["message"]["content"],
+            text_b=cb["message"]["content"],
+        )
+        assert cmp.ok, f"agent {i}: {cmp.detail}: {ca['message']['content']!r} vs {cb['message']['content']!r}"
+
+
+def conversation(system: str, i: int, tag: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": f"{tag} {i}: what is point {i}?"}]
+
+
+def test_concurrent_agents_share_the_system_message_and_compute_it_once(
+    srv: LlamaServer, ref: LlamaServer, system: str
+) -> None:
+    turn1 = [conversation(system, i, "Agent") for i in range(AGENTS)]
+    n_sys = common_prefix(srv, turn1[0], turn1[1])
+    assert n_sys >= SYSTEM_TOKENS
+    before, waits = computed(srv), counter(srv, "polykv_share_waits_total")
+    ours = ask_all(srv, turn1)
+    spent = computed(srv) - before
+
+    cached_counts = sorted(cached(a) for a in ours)
+    assert cached_counts[0] < n_sys, f"one request computes the system message: {cached_counts}"
+    assert all(c >= n_sys for c in cached_counts[1:]), f"the others share it ({n_sys} tokens): {cached_counts}"
+    sharers = [a for a in ours if cached(a) >= n_sys]
+    assert all(a["shared_prefix"]["auto"] == "any" and a["shared_prefix"]["status"] == "hit" for a in sharers)
+    prompts = [a["usage"]["prompt_tokens"] for a in ours]
+    bound = max(prompts) + sum(p - n_sys for p in prompts)
+    assert spent <= bound * PROMPT_SLACK, f"computed {spent} prompt tokens, bound {bound} (+5%)"
+    # the requests met the first one's prefill half-done (batches of 128): they waited instead of computing
+    assert counter(srv, "polykv_share_waits_total") > waits
+    assert any(a["shared_prefix"].get("waited") for a in sharers)
+
+    theirs = ask_all(ref, turn1)
+    assert [cached(a) for a in theirs] == [0] * AGENTS  # the stock server computes every prompt
+    assert_same_answers(ours, theirs)
+
+    # turn 2 (the same history on both servers): each agent finds its own first prompt again
+    turn2 = [
+        [*m, {"role": "assistant", "content": a["choices"][0]["message"]["content"]},
+         {"role": "user", "content": f"And point {i + 10}?"}]
+        for i, (m, a) in enumerate(zip(turn1, ours, strict=True))
+    ]  # fmt: skip
+    before = computed(srv)
+    ours2 = ask_all(srv, turn2)
+    assert all(cached(a2) >= a1["usage"]["prompt_tokens"] for a1, a2 in zip(ours, ours2, strict=True)), [
+        (a1["usage"]["prompt_tokens"], cached(a2)) for a1, a2 in zip(ours, ours2, strict=True)
+    ]
+    spent2 = computed(srv) - before
+    new_tokens = sum(
+        a2["usage"]["prompt_tokens"] - a1["usage"]["prompt_tokens"] for a1, a2 in zip(ours, ours2, strict=True)
+    )
+    assert spent2 <= new_tokens * 2, f"turn 2 computed {spent2} prompt tokens for {new_tokens} new ones"
+    assert_same_answers(ours2, ask_all(ref, turn2))
+
+
+def test_salts_share_only_with_themselves(srv: LlamaServer, system: str) -> None:
+    salted = system.replace("Lanternfish", "Salted Lanternfish")  # a system message no earlier test computed
+    first = ask(srv, conversation(salted, 0, "Tenant"), extra_body={"cache_salt": "tenant-a"})
+    assert cached(first) == 0
+    same = ask(srv, conversation(salted, 1, "Tenant"), extra_body={"cache_salt": "tenant-a"})
+    n_sys = common_prefix(srv, conversation(salted, 0, "Tenant"), conversation(salted, 1, "Tenant"))
+    assert cached(same) >= n_sys  # shared from the first one's slot, or on that slot itself (least cache lost)
+
+    for extra in ({"cache_salt": "tenant-b"}, {}):
+        other = ask(srv, conversation(salted, 2, "Tenant"), extra_body=extra)
+        # (an unsalted request may reuse the chat header its slot's unsalted cells start with, a few tokens)
+        assert cached(other) < 16, f"{extra or 'no salt'}: {other['usage']}"
+        assert "shared_prefix" not in other, other.get("shared_prefix")
+
+    # and the unsalted cells computed just now are not shared into the salted tenant either
+    again = ask(srv, conversation(salted, 3, "Tenant"), extra_body={"cache_salt": "tenant-a"})
+    assert cached(again) >= n_sys
+
+
+def test_cancelled_leader_waiters_still_answer(srv: LlamaServer, ref: LlamaServer, system: str) -> None:
+    """The request computing the common prefix disconnects half-way; the waiting ones share what it computed,
+    one of them computes the rest, and all answer as the reference does."""
+    base = system.replace("Lanternfish", "Cancelled Lanternfish") + "\n\n" + system  # ~1,200 tokens: ~10 passes
+    leader_msgs = conversation(base, 0, "Leader")
+    body = {"model": "m", "messages": leader_msgs, "stream": True, "max_tokens": MAX_TOKENS, "temperature": 0}
+    started = threading.Event()
+
+    def leader() -> None:
+        with httpx.Client(timeout=600) as h, h.stream("POST", srv.url + "/v1/chat/completions", json=body) as r:
+            started.set()
+            time.sleep(1.0)  # a few prefill passes, then hang up
+            r.close()
+
+    waits = counter(srv, "polykv_share_waits_total")
+    t = threading.Thread(target=leader)
+    t.start()
+    assert started.wait(60)
+    followers = [conversation(base, i, "Follower") for i in range(1, AGENTS)]
+    ours = ask_all(srv, followers)
+    t.join(60)
+    assert counter(srv, "polykv_share_waits_total") > waits, "the followers should have waited for the leader"
+    assert srv.health_state() == "ok"
+    assert_same_answers(ours, ask_all(ref, followers))
+
+
+def test_share_any_needs_unified_kv(patched_server_bin: Path, model_path: Path, logs: Path) -> None:
+    args = [*slots_args(2, 2048), *NO_HOST_CACHE, SHARE_ANY]  # one KV stream per slot: no share possible
+    s = LlamaServer(patched_server_bin, model_path, args, log_dir=logs, name="share-any-streams", threads=2)
+    with pytest.raises(ServerError) as err:
+        s.start(timeout=60)
+    assert "--share-any needs unified KV" in str(err.value) + s.log_tail()
+
+
+def test_share_any_is_off_with_context_shift(patched_server_bin: Path, model_path: Path, logs: Path) -> None:
+    args = ["-kvu", *slots_args(2, 2048), *NO_HOST_CACHE, SHARE_ANY, "--context-shift"]
+    s = LlamaServer(patched_server_bin, model_path, args, log_dir=logs, name="share-any-shift", threads=2)
+    with s.start(), Client(s.url) as c:
+        assert "polykv" not in c.props()  # the option is off: /props as without it
+        assert "no prefix can be shared here (context shift enabled)" in s.log_tail(200)

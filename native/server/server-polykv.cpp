@@ -415,7 +415,11 @@ int polykv_auto_pool(const std::vector<polykv_pool_candidate> & pools, const ser
 }
 
 int polykv_pick_slot(const std::vector<polykv_slot_view> & slots, const server_tokens & tokens, const std::string & salt,
-                     const std::vector<common_adapter_lora_info> & lora) {
+                     const std::vector<common_adapter_lora_info> & lora, int32_t min_tokens) {
+    // the key, smallest first: (cached tokens lost, -common prefix, last use); a slot that holds fewer than min_tokens
+    // of the prompt (or cells of another salt / LoRA set) loses all it holds, and those slots rank by last use alone
+    constexpr size_t all_lost = SIZE_MAX;
+
     int     best      = -1;
     size_t  best_loss = 0;
     size_t  best_lcp  = 0;
@@ -425,8 +429,12 @@ int polykv_pick_slot(const std::vector<polykv_slot_view> & slots, const server_t
             continue;
         }
         const bool   same = s.origin != nullptr && polykv_origin_matches(*s.origin, salt, lora);
-        const size_t lcp  = same ? s.cached->get_common_prefix(tokens) : 0;
-        const size_t loss = s.cached->size() - lcp;
+        size_t       lcp  = same ? s.cached->get_common_prefix(tokens) : 0;
+        size_t       loss = s.cached->size() - lcp;
+        if (loss > 0 && lcp < (size_t) std::max<int32_t>(min_tokens, 1)) {
+            lcp  = 0;
+            loss = all_lost;
+        }
         const bool better = best < 0 || loss < best_loss || (loss == best_loss && lcp > best_lcp) ||
                             (loss == best_loss && lcp == best_lcp && s.t_last_used < best_t);
         if (better) {

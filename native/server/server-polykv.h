@@ -123,10 +123,11 @@ struct polykv_slot_view {
 // --share-any: the idle, unreserved slot a new unpinned task should run on, or -1 (upstream's choice then).
 // The task keeps what it takes from the slot (common prefix) and destroys the rest of its cache, which other
 // tasks may still want (an agent's own history): so the slot that loses the fewest cached tokens wins (an empty
-// slot or one the prompt extends loses none), then the longest common prefix, then the least recently used.
-// Cells of another salt or LoRA set are not reused (polykv_origin_update), so they count as lost in full.
+// slot or one the prompt extends loses none), then the longest common prefix, then the least recently used. A slot
+// that holds fewer than min_tokens of the prompt, or cells of another salt or LoRA set (never reused, see
+// polykv_origin_update), loses all it holds: such slots come last and rank by last use (upstream's LRU).
 int polykv_pick_slot(const std::vector<polykv_slot_view> & slots, const server_tokens & tokens, const std::string & salt,
-                     const std::vector<common_adapter_lora_info> & lora);
+                     const std::vector<common_adapter_lora_info> & lora, int32_t min_tokens);
 
 // --share-any: a computed prefix another slot holds
 struct polykv_any_source {

@@ -45,6 +45,7 @@ from polykv_py.data import sample_document
 from polykv_py.data.questions import QUESTIONS
 from polykv_py.errors import PolykvError
 from polykv_py.harness.compare import LAYOUT, compare_steps, steps_from_probs
+from polykv_py.harness.report import table
 from polykv_py.harness.texts import repeat_to_tokens
 from polykv_py.llama_server import LlamaServer
 from polykv_py.presets import reference_server, serve_server
@@ -65,7 +66,11 @@ Message = dict[str, str]
 SYSTEMS: dict[str, str] = {
     "polykv": "polykv serve without --pool (--share-any, --shared-decode; slot 0 reserved, N agent slots)",
     "stock": "stock llama-server (-kvu, idle slots resident, no host cache), N slots",
+    "stock_queued": "stock llama-server, 1 slot: the requests queue and each reuses the previous one's cached prefix "
+    "(its own prefix reuse at its best for one shared system message)",
 }
+#: The stock systems (each compared with polykv; the fastest per turn is "best stock").
+STOCK = ("stock", "stock_queued")
 TURNS = 2
 #: The metric whose delta is "prompt tokens computed".
 PROMPT_METRIC = "llamacpp:prompt_tokens_total"
@@ -291,9 +296,10 @@ def start(system: str, cfg: ZeroConfig) -> LlamaServer:
             model=cfg.model,
             name="zeroconfig-polykv",
         )
-    elif system == "stock":
+    elif system in STOCK:
+        n_slots = cfg.n if system == "stock" else 1
         srv = reference_server(
-            n_slots=cfg.n, ctx=cfg.ctx, threads=cfg.threads, model=cfg.model, name="zeroconfig-stock"
+            n_slots=n_slots, ctx=cfg.ctx, threads=cfg.threads, model=cfg.model, name=f"zeroconfig-{system}"
         )
     else:
         raise ValueError(f"unknown system {system!r} (known: {', '.join(SYSTEMS)})")
@@ -393,8 +399,12 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def summarize(runs: dict[str, Json]) -> Json:
+    """Each stock system over polykv (``{stock system: {"per_turn": rows}}``), for those that ran."""
+    return {name: c for name in STOCK if (c := summarize_pair(runs.get("polykv"), runs.get(name)))}
+
+
+def summarize_pair(p: Json | None, s: Json | None) -> Json:
     """Stock over polykv per turn and over both turns, and the answers compared, when both ran."""
-    p, s = runs.get("polykv"), runs.get("stock")
     if not p or not s or "error" in p or "error" in s or len(p["turns"]) != len(s["turns"]):
         return {}
     rows: list[Json] = []
@@ -463,7 +473,6 @@ def run(cfg: ZeroConfig) -> Json:
 
 def markdown(doc: Json) -> str:
     """The report: a table per turn and system, the ratios and the answers compared, the definitions."""
-    from polykv_py.harness.report import table
 
     cfg, m = doc["config"], doc["machine"]
     lines = [
@@ -530,7 +539,15 @@ def markdown(doc: Json) -> str:
         if t["prompt_token_mismatches"]
     ]
     lines += [*mismatched, ""] if mismatched else []
-    comp = (doc.get("comparison") or {}).get("per_turn") or []
+    for stock_name, pair in (doc.get("comparison") or {}).items():
+        lines += comparison_lines(stock_name, pair.get("per_turn") or [])
+    lines += ["## Definitions", "", *[f"- `{k}`: {v}" for k, v in doc["definitions"].items()], ""]
+    return "\n".join(lines)
+
+
+def comparison_lines(stock_name: str, comp: list[Json]) -> list[str]:
+    """The ratio table of one stock system over polykv, and the answers that differ."""
+    lines: list[str] = []
     if comp:
         crow: list[list[Any]] = []
         for c in comp:
@@ -538,7 +555,7 @@ def markdown(doc: Json) -> str:
             verdicts = f"{v['identical']} / {v['near_tie']} / {v['different']}" if v else None
             crow.append([str(c["turn"]), c["wall_stock_over_polykv"], c["prompt_tokens_stock_over_polykv"], verdicts])
         lines += [
-            "## stock / polykv",
+            f"## {stock_name} / polykv",
             "",
             table(
                 ["turn", "wall", "prompt tokens computed", "answers identical / near tie / different"],
@@ -555,8 +572,7 @@ def markdown(doc: Json) -> str:
         ]
         lines += [f"- turn {t}, agent {a['agent']}: {a['verdict']}: {a.get('detail', '')}" for t, a in diffs]
         lines += [""] if diffs else []
-    lines += ["## Definitions", "", *[f"- `{k}`: {v}" for k, v in doc["definitions"].items()], ""]
-    return "\n".join(lines)
+    return lines
 
 
 def plot(doc: Json, path: Path) -> Path | None:
@@ -569,14 +585,20 @@ def plot(doc: Json, path: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    comp = (doc.get("comparison") or {}).get("per_turn") or []
+    comparison = doc.get("comparison") or {}
     runs = {k: r for k, r in doc["runs"].items() if r.get("turns")}
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    labels = [str(c["turn"]) for c in comp]
-    axes[0].bar(labels, [c["wall_stock_over_polykv"] or 0 for c in comp], color="C2")
+    ratio_width = 0.8 / max(1, len(comparison))
+    for k, (stock_name, pair) in enumerate(comparison.items()):
+        comp = pair.get("per_turn") or []
+        xs = [i + (k - (len(comparison) - 1) / 2) * ratio_width for i in range(len(comp))]
+        axes[0].bar(xs, [c["wall_stock_over_polykv"] or 0 for c in comp], ratio_width, label=stock_name,
+                    color=f"C{list(runs).index(stock_name) if stock_name in runs else k + 1}")  # fmt: skip
+        axes[0].set_xticks(range(len(comp)), [str(c["turn"]) for c in comp])
     axes[0].axhline(1.0, color="grey", lw=0.8)
-    axes[0].set_title("wall time, stock / polykv")
+    axes[0].set_title("wall time, stock system / polykv (higher: polykv faster)")
     axes[0].set_xlabel("turn")
+    axes[0].legend(fontsize=8)
     width = 0.8 / max(1, len(runs))
     values: list[float] = []
     for k, (name, r) in enumerate(runs.items()):
@@ -621,7 +643,7 @@ def write(doc: Json, cfg: ZeroConfig, *, final: bool = False) -> list[Path]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m bench.zeroconfig``: both systems, both turns, the report."""
+    """``python -m bench.zeroconfig``: the systems, both turns, the report."""
     ap = argparse.ArgumentParser(
         prog="python -m bench.zeroconfig", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -37,7 +37,16 @@ def test_multiturn_stock_queued_runs_at_the_sharing_budget(base: str) -> None:
 
 
 def test_zeroconfig_plain_openai_requests_share_the_system_message_and_stay_above_the_bounds(tmp_path: Path) -> None:
-    cfg = zeroconfig.ZeroConfig(n=2, prompt_tokens=200, max_tokens=4, ctx=2048, threads=1, tag="t", out_dir=tmp_path)
+    cfg = zeroconfig.ZeroConfig(
+        n=2,
+        prompt_tokens=200,
+        max_tokens=4,
+        ctx=2048,
+        threads=1,
+        tag="t",
+        out_dir=tmp_path,
+        systems=("polykv", "stock"),
+    )
     doc = zeroconfig.run(cfg)
     polykv, stock = doc["runs"]["polykv"]["turns"], doc["runs"]["stock"]["turns"]
     for t in (*polykv, *stock):
@@ -49,6 +58,6 @@ def test_zeroconfig_plain_openai_requests_share_the_system_message_and_stay_abov
     assert polykv[0]["prompt_tokens_computed"] < stock[0]["prompt_tokens_computed"]
     # turn 2 carries the same histories on both servers, so every answer is compared
     assert doc["history_from"] == "polykv"
-    for turn in doc["comparison"]["per_turn"][:2]:
+    for turn in doc["comparison"]["stock"]["per_turn"][:2]:
         assert sum(turn["answers"]["verdicts"].values()) == 2 and turn["answers"]["verdicts"]["error"] == 0
     assert (tmp_path / "t.json").is_file() and (tmp_path / "t.md").is_file()

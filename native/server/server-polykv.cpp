@@ -339,6 +339,10 @@ void polykv_write_metrics(const server_metrics & metrics, std::ostream & prometh
             "polykv: requests that shared a prefix another slot had computed, chosen by --share-any (also in polykv_share_requests_total)",
             (double) metrics.polykv_n_any
         }, {
+            "polykv_share_promoted_total",
+            "polykv: prefixes --share-any copied into a reserved pool slot so that they outlive the slot they came from",
+            (double) metrics.polykv_n_promoted
+        }, {
             "polykv_share_waits_total",
             "polykv: requests whose prompt waited for another slot to compute their common prefix (--share-any coalescing)",
             (double) metrics.polykv_n_waits
@@ -480,6 +484,47 @@ polykv_any_source polykv_share_any_source(const std::vector<polykv_slot_view> & 
         }
     }
     return best;
+}
+
+int polykv_promote_target(const std::vector<polykv_slot_view> & slots, const server_tokens & tokens, int32_t n,
+                          const polykv_cells_origin & origin) {
+    int     best       = -1;
+    bool    best_empty = false;
+    int64_t best_t     = 0;
+    for (const auto & s : slots) {
+        if (!s.reserved) {
+            continue;
+        }
+        const bool empty = s.cached == nullptr || s.cached->size() == 0;
+        if (!empty && s.origin != nullptr && origin.salt_ok && origin.lora_ok &&
+            polykv_origin_matches(*s.origin, origin.salt, origin.lora) && (int32_t) s.cached->get_common_prefix(tokens) >= n) {
+            return -1; // already held by a pool
+        }
+        if (s.busy || (!empty && !s.promoted)) {
+            continue;
+        }
+        if (best < 0 || (empty && !best_empty) || (empty == best_empty && s.t_pool_use < best_t)) {
+            best       = s.id;
+            best_empty = empty;
+            best_t     = s.t_pool_use;
+        }
+    }
+    return best;
+}
+
+bool polykv_copy_prefix(const common_memory & mem, int src, int dst, int32_t n) {
+    mem.seq_rm(dst, -1, -1);
+    mem.seq_cp(src, dst, 0, n);
+    auto * llama_mem = llama_get_memory(mem.ctx_tgt);
+    const llama_pos pos_min = llama_memory_seq_pos_min(llama_mem, dst);
+    const llama_pos pos_max = llama_memory_seq_pos_max(llama_mem, dst);
+    if (pos_min != 0 || pos_max != (llama_pos) (n - 1)) {
+        LOG_ERR("slot %12.*s: id %2d | task -1 | poly-kv-pool: prefix copied from slot %d has pos [%d, %d], expected [0, %d] - dropped\n",
+                12, "polykv_promote", dst, src, (int) pos_min, (int) pos_max, n - 1);
+        mem.seq_rm(dst, -1, -1);
+        return false;
+    }
+    return true;
 }
 
 bool polykv_share_any_init(common_params & params_base, const char * unsupported) {

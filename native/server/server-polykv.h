@@ -117,7 +117,9 @@ struct polykv_slot_view {
     bool                        prefilling  = false;   // computing its prompt (PROCESSING_PROMPT or DONE_PROMPT: its last
                                                        // batch is not decoded yet)
     bool                        reserved    = false;   // --pool-slots
+    bool                        promoted    = false;   // a reserved pool that holds a prefix --share-any promoted
     int64_t                     t_last_used = -1;
+    int64_t                     t_pool_use  = 0;       // a reserved pool's last share, restore or prompt (us)
 };
 
 // --share-any: the idle, unreserved slot a new unpinned task should run on, or -1 (upstream's choice then).
@@ -145,6 +147,17 @@ bool polykv_origin_matches(const polykv_cells_origin & origin, const std::string
 polykv_any_source polykv_share_any_source(const std::vector<polykv_slot_view> & others, const server_tokens & tokens,
                                           const std::string & salt, const std::vector<common_adapter_lora_info> & lora,
                                           int32_t min_tokens, llama_context * ctx);
+
+// --share-any promotion: the reserved pool a prefix of n tokens just shared from an unreserved slot should be copied
+// into, so that it outlives that slot (never purged, cleared or picked for a task): an idle pool that holds nothing,
+// else the least recently used idle pool holding an earlier promoted prefix (pools a client primed or restored are
+// never taken); -1 if a reserved pool of this origin already holds the n tokens, or none is free.
+int polykv_promote_target(const std::vector<polykv_slot_view> & slots, const server_tokens & tokens, int32_t n,
+                          const polykv_cells_origin & origin);
+
+// Replaces sequence dst's cells by src's cells [0, n) (seq_cp: with unified KV no data is copied) and checks dst then
+// holds exactly positions [0, n); false (logged, dst left empty) otherwise.
+bool polykv_copy_prefix(const common_memory & mem, int src, int dst, int32_t n);
 
 // --share-any at start: false (logged) without unified KV (a share adds a sequence id to computed cells); where no
 // share is ever possible (the reason, as polykv_share_decide() would report it), a warning and the option off.

@@ -211,7 +211,12 @@ def test_props_polykv_object(auto_server: str) -> None:
     props = httpx.get(auto_server + "/props", timeout=30, trust_env=False).json()
     files = props["polykv"].pop("pool_files")  # what a pool file must match here (patch 0075)
     assert files["format"] == 3 and set(files) == {"format", "model", "kv", "settings"} and files["settings"] == {}
-    assert props["polykv"] == {"pool_slots": [0], "pool_auto": True, "pool_auto_min_tokens": MIN_TOKENS}
+    assert props["polykv"] == {
+        "pool_slots": [0],
+        "pool_auto": True,
+        "pool_auto_min_tokens": MIN_TOKENS,
+        "share_any": False,
+    }
 
 
 def test_prompt_array_reports_one_shared_prefix_per_choice(auto_server: str) -> None:

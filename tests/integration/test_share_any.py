@@ -9,10 +9,14 @@ server gets the same slots, cells and batch size.
   ``cached_tokens`` >= the system message's tokens, the server computes at most the first prompt plus the
   others' suffixes (+5%), and the answers equal the reference server's under the layout margins of
   :mod:`polykv_py.harness.compare`; a second turn per agent reuses the agent's whole first prompt;
+- promotion: a prefix shared from an agent slot is copied into the reserved pool slot (``polykv serve`` keeps
+  slot 0 for that) and is still shared after every agent slot has moved on;
 - isolation: the same ``cache_salt`` shares, another salt or none does not (no shared_prefix, 0 cached);
 - chaos: the request computing the common prefix is cancelled half-way; the ones waiting for it still answer
   like the reference and the server stays up;
-- bad start: without unified KV the server refuses ``--share-any``; with context shift it runs with it off.
+- bad start: without unified KV the server refuses ``--share-any``; with context shift it runs with it off;
+- keyless routing: two replicas behind smg's ``cache_aware`` policy send a system message's later plain requests
+  to the replica that computed it.
 """
 
 from __future__ import annotations
@@ -29,11 +33,14 @@ import openai
 import pytest
 
 from polykv_py.client import Client
+from polykv_py.cluster import Cluster, ClusterConfig
 from polykv_py.data import sample_document
 from polykv_py.errors import ServerError
+from polykv_py.gateway import ROUTED_WORKER_HEADER, GatewayOptions
 from polykv_py.harness.compare import compare_steps, steps_from_probs
 from polykv_py.harness.texts import repeat_to_tokens
 from polykv_py.llama_server import LlamaServer
+from polykv_py.pools import PoolCache
 from polykv_py.presets import NO_HOST_CACHE, SHARE_ANY, reference_server, serve_server, slots_args
 
 pytestmark = pytest.mark.integration
@@ -49,7 +56,9 @@ PROMPT_SLACK = 1.05  # prompt tokens computed may exceed the first prompt + the 
 
 @pytest.fixture(scope="module")
 def srv(logs: Path) -> Iterator[LlamaServer]:
-    s = serve_server(0, agent_slots=AGENTS, ctx=CTX, threads=2, extra_args=BATCH, log_dir=logs, name="share-any")
+    # LLAMA_SERVER_SLOTS_DEBUG=1: /slots shows each slot's last prompt (unsalted tasks only)
+    s = serve_server(0, agent_slots=AGENTS, ctx=CTX, threads=2, extra_args=BATCH, log_dir=logs, name="share-any",
+                     env={"LLAMA_SERVER_SLOTS_DEBUG": "1"})  # fmt: skip
     with s.start():
         yield s
 
@@ -166,6 +175,23 @@ def test_concurrent_agents_share_the_system_message_and_compute_it_once(
     assert_same_answers(ours2, ask_all(ref, turn2))
 
 
+def test_a_shared_prefix_is_promoted_to_the_pool_and_outlives_the_agents(srv: LlamaServer, system: str) -> None:
+    """The first test's system message was shared from an agent slot, so it was copied into the reserved (empty)
+    pool slot 0; agents with other prompts then take every agent slot, and the system message is still shared."""
+    with Client(srv.url) as c:
+        pool = c.slots()[0]
+        n_sys = common_prefix(srv, conversation(system, 0, "Agent"), conversation(system, 1, "Agent"))
+        assert pool["polykv_pool"] and pool["polykv_pool_state"]["n_tokens"] >= n_sys, pool.get("polykv_pool_state")
+        assert c.metrics()["llamacpp:polykv_share_promoted_total"] >= 1
+    others = [conversation(sample_document()[i * 400 : i * 400 + 300], i, "Other") for i in range(AGENTS)]
+    ask_all(srv, others)  # every agent slot now holds another prompt
+    with Client(srv.url) as c:
+        agent_prompts = [s.get("prompt") or "" for s in c.slots()[1:]]
+    assert all(p and system[:200] not in p for p in agent_prompts), "an agent slot still holds the system message"
+    late = ask(srv, conversation(system, 9, "Late agent"))
+    assert cached(late) >= n_sys and late["shared_prefix"]["pool_slot"] == 0, (late["usage"], late.get("shared_prefix"))
+
+
 def test_salts_share_only_with_themselves(srv: LlamaServer, system: str) -> None:
     salted = system.replace("Lanternfish", "Salted Lanternfish")  # a system message no earlier test computed
     first = ask(srv, conversation(salted, 0, "Tenant"), extra_body={"cache_salt": "tenant-a"})
@@ -225,3 +251,39 @@ def test_share_any_is_off_with_context_shift(patched_server_bin: Path, model_pat
     with s.start(), Client(s.url) as c:
         assert "polykv" not in c.props()  # the option is off: /props as without it
         assert "no prefix can be shared here (context shift enabled)" in s.log_tail(200)
+
+
+@pytest.mark.slow
+def test_replicas_route_plain_requests_to_the_replica_holding_the_prefix(
+    tmp_path_factory: pytest.TempPathFactory, system: str
+) -> None:
+    """Keyless routing: two replicas (--share-any) behind smg's cache_aware policy, plain openai requests with no
+    routing key; each system message's later requests go to the replica that computed it first, and share it."""
+    tmp = tmp_path_factory.mktemp("keyless")
+    config = ClusterConfig(replicas=2, pools_per_replica=1, agent_slots=3, ctx=8192, threads=1,
+                           gateway=GatewayOptions(policy="cache_aware"))  # fmt: skip
+    bases = [system.replace("Lanternfish", name) for name in ("Routed Alpha", "Routed Beta")]
+    with Cluster(config, pool_cache=PoolCache(tmp / "pools"), log_dir=tmp) as cluster:
+        client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="none", max_retries=0, timeout=600)
+
+        def routed(base: str, i: int) -> tuple[str, int, int]:
+            raw = client.chat.completions.with_raw_response.create(
+                model=cluster.config.alias,
+                messages=conversation(base, i, "Routed"),
+                **GREEDY,  # type: ignore[arg-type]
+            )
+            usage = raw.parse().usage
+            assert usage is not None and usage.prompt_tokens_details is not None
+            return (
+                raw.headers[ROUTED_WORKER_HEADER],
+                int(usage.prompt_tokens_details.cached_tokens or 0),
+                usage.prompt_tokens,
+            )
+
+        for base in bases:
+            first_replica, first_cached, _ = routed(base, 0)
+            assert first_cached < SYSTEM_TOKENS
+            with ThreadPoolExecutor(3) as ex:
+                later = list(ex.map(routed, [base] * 3, range(1, 4)))
+            assert {r for r, _, _ in later} == {first_replica}, (first_replica, later)
+            assert all(c >= SYSTEM_TOKENS for _, c, _ in later), later

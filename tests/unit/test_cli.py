@@ -10,10 +10,12 @@ from bench.systems import SYSTEMS
 from polykv_py.cli import app as cli
 from polykv_py.harness import gate
 from polykv_py.presets import (
+    NO_SHARE_ANY,
     NO_SHARED_DECODE,
     POOL_AUTO,
     SERVE_AGENT_SLOTS,
     SERVE_DEFAULTS,
+    SHARE_ANY,
     SHARED_DECODE,
     serve_pool_args,
     serve_server,
@@ -59,9 +61,20 @@ def test_serve_server_is_polykv_serve_with_pools(tmp_path: Path, fake_model: Pat
     flags = [a for a in SERVE_DEFAULTS if a.startswith("-")]
     assert all(f in cmd for f in flags), [f for f in flags if f not in cmd]
     assert cmd[cmd.index("-c") + 1] == "4096" and cmd[cmd.index("-t") + 1] == "1"
-    assert cmd[-6:] == ["--pool-slots", "0,1", "-np", "4", POOL_AUTO, SHARED_DECODE]
-    off = serve_server(1, shared_decode=False, binary=tmp_path / "llama-server", model=fake_model).command(8080)
-    assert off[-1] == NO_SHARED_DECODE and SHARED_DECODE not in off
+    assert cmd[-7:] == ["--pool-slots", "0,1", "-np", "4", POOL_AUTO, SHARED_DECODE, SHARE_ANY]
+    off = serve_server(1, shared_decode=False, share_any=False, binary=tmp_path / "llama-server", model=fake_model)
+    off_cmd = off.command(8080)
+    assert (
+        off_cmd[-2:] == [NO_SHARED_DECODE, NO_SHARE_ANY] and SHARED_DECODE not in off_cmd and SHARE_ANY not in off_cmd
+    )
+
+
+def test_polykv_run_and_cluster_share_any_prefix_unless_told_not_to() -> None:
+    parser = cli.build_parser()
+    assert parser.parse_args(["run", "x"]).no_share_any is False
+    assert parser.parse_args(["run", "x", "--no-share-any"]).no_share_any is True
+    assert parser.parse_args(["cluster", "--no-share-any"]).no_share_any is True
+    assert SHARE_ANY in SERVE_DEFAULTS
 
 
 def test_polykv_run_and_cluster_decode_over_shared_cells_unless_told_not_to() -> None:

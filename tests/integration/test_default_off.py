@@ -35,11 +35,12 @@ N_PREDICT = 6
 #: polykv's counters in ``/metrics`` and when they appear, as the code does it today
 #: (polykv_write_metrics() in native/server/server-polykv.cpp, patch 0074; docs/shared-prefix.md "Metrics"):
 #: without ``--pool-slots`` none of them until a request sets ``shared_pool_slot`` (upstream's names exactly);
-#: with ``--pool-slots`` (or ``--share-any``) these seven from the start, each 0 while nobody shares ...
+#: with ``--pool-slots`` (or ``--share-any``) these eight from the start, each 0 while nobody shares ...
 POLYKV_COUNTERS = {
     "llamacpp:polykv_share_requests_total",
     "llamacpp:polykv_share_auto_total",
     "llamacpp:polykv_share_any_total",
+    "llamacpp:polykv_share_promoted_total",
     "llamacpp:polykv_share_waits_total",
     "llamacpp:polykv_share_hits_total",
     "llamacpp:polykv_share_misses_total",

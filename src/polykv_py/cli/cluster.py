@@ -126,7 +126,9 @@ def register(subparsers: Any) -> None:
         "--no-shared-decode", action="store_true", help="replicas decode with upstream's attention kernel (default: on)"
     )
     p.add_argument(
-        "--no-share-any", action="store_true", help="replicas share only declared pools (default: --share-any, any prefix)"
+        "--no-share-any",
+        action="store_true",
+        help="replicas share only declared pools (default: --share-any, any prefix)",
     )
     p.add_argument("--no-restart-dead", dest="restart_dead", action="store_false", help="leave dead replicas down")
     p.add_argument("--watch-interval", type=float, default=2.0, help=argparse.SUPPRESS)

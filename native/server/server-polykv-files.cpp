@@ -611,6 +611,9 @@ json polykv_pool_files::save(llama_context * ctx, llama_seq_id seq_id, const lla
     if (tokens.empty()) {
         throw std::runtime_error("the pool holds no tokens (prime it first)");
     }
+    if (expect.contains("tokens_sha256") && expect["tokens_sha256"].get<std::string>() != tokens_sha256(tokens)) {
+        throw std::runtime_error("the pool holds other tokens than expected (it changed since it was listed)");
+    }
     if (!origin.lora_ok) {
         throw std::runtime_error("the pool's cells were computed under mixed LoRA sets");
     }
@@ -868,6 +871,12 @@ json polykv_slot_action_fields(const json & body) {
         }
         out["tokens_sha256"] = s;
     }
+    if (body.contains("promoted")) { // restore: the file holds a prefix --share-any promoted (polykv serve keeps them)
+        if (!body["promoted"].is_boolean()) {
+            throw std::invalid_argument("\"promoted\" must be true or false");
+        }
+        out["promoted"] = body["promoted"];
+    }
     if (body.contains("cache_salt") && !body["cache_salt"].is_null()) {
         try {
             out["cache_salt"] = polykv_json_salt(body["cache_salt"]);
@@ -919,5 +928,6 @@ json polykv_pool_state_json(llama_context * ctx, llama_seq_id seq_id, const serv
         { "sharers",         n_sharers },
         { "last_use_s_ago",  stats.t_last_use_us > 0 ? json((now - stats.t_last_use_us) / 1e6) : json(nullptr) },
         { "restored_from",   stats.restored_from.empty() || salted ? json(nullptr) : json(stats.restored_from) },
+        { "promoted",        stats.promoted },
     };
 }

@@ -33,6 +33,7 @@ struct polykv_pool_stats {
     uint64_t    hits          = 0; // shares (hit or copied) taken from the pool
     int64_t     t_last_use_us = 0; // last share, restore or prompt on the pool (ggml_time_us); 0: never
     std::string restored_from;     // the file of the last restore ("" if primed here or never filled)
+    bool        promoted = false;  // holds a prefix --share-any promoted (0077), or a file of one restored as such
 };
 
 // A verified pool file, read into memory; nothing in the KV cache has changed yet.
@@ -59,7 +60,8 @@ class polykv_pool_files {
     json identity() const;
 
     // Writes the sequence seq_id, which holds exactly tokens at positions [0, n), as a pool file (atomic), if the
-    // request's cache_salt (in expect) is the pool's and path holds no pool file of another salt. Throws
+    // request's cache_salt (in expect) is the pool's, its tokens_sha256 (if given) that of tokens, and path holds no
+    // pool file of another salt. Throws
     // std::runtime_error with the reason (nothing written then). Returns the "polykv" response object.
     json save(llama_context * ctx, llama_seq_id seq_id, const llama_tokens & tokens, const polykv_cells_origin & origin,
               const json & expect, const std::string & path) const;
@@ -89,8 +91,9 @@ class polykv_pool_files {
 };
 
 // The optional polykv fields of a /slots/N?action=save|restore body, checked when the request arrives
-// (std::invalid_argument -> HTTP 400): "tokens" (the token list the file must hold), "tokens_sha256",
-// "cache_salt" (the salt the pool was primed under). Returns them as a json object (empty if none).
+// (std::invalid_argument -> HTTP 400): "tokens" (the token list the file must hold), "tokens_sha256" (on a save:
+// the tokens the pool must hold), "cache_salt" (the salt the pool was primed under), "promoted" (restore: the pool
+// is marked as a --share-any promoted prefix, which promotion may replace). Returns them as a json object.
 json polykv_slot_action_fields(const json & body);
 
 // A restored pool's origin: computed under the file's salt (the request's, checked against the file's hash)

@@ -118,6 +118,8 @@ class PoolFeatures:
     #: What a pool file must match on this server (format, model, KV layout; patch 0075), None without
     #: pool files: :func:`polykv_py.pools.pool_file_name` names cache files from it.
     pool_files: Json | None = None
+    #: ``--share-any`` (patch 0077): any computed prefix is shared, and hot ones are promoted into free pools.
+    share_any: bool = False
 
     @classmethod
     def from_props(cls, props: Json) -> PoolFeatures:
@@ -132,6 +134,7 @@ class PoolFeatures:
             pool_auto_min_tokens=min_tokens if isinstance(min_tokens, int) else None,
             server_prefix=True,
             pool_files=files if isinstance(files := info.get("pool_files"), dict) else None,
+            share_any=bool(info.get("share_any")),
         )
 
     def check_pool_slot(self, slot: int) -> None:
@@ -419,14 +422,12 @@ def prime_request(prompt: Prompt, slot: int | None, params: dict[str, Any]) -> R
     return Request.post(COMPLETION, body)
 
 
-def pool_file_request(
-    action: str, slot: int, filename: str, *, tokens: Sequence[int] | None = None, cache_salt: str | None = None
-) -> Request[Any]:
+def pool_file_request(action: str, slot: int, filename: str, **fields: Any) -> Request[Any]:
     """``POST /slots/{slot}?action=save|restore`` of a reserved pool (patch 0075; the server needs
     ``--slot-save-path``). A restore verifies the file and, if given, that it holds ``tokens``
     and was primed under ``cache_salt``; a refusal is HTTP 400 naming the reason (a file that does
-    not match the salt is refused without detail)."""
-    return Request.post(f"/slots/{slot}?action={action}", action_body(filename, tokens=tokens, cache_salt=cache_salt))
+    not match the salt is refused without detail). ``fields``: :func:`~polykv_py.pools.action_body`'s."""
+    return Request.post(f"/slots/{slot}?action={action}", action_body(filename, **fields))
 
 
 def erase_request(slot: int) -> Request[Any]:
@@ -676,16 +677,28 @@ class Client(_Base):
         """Empty ``slot``'s KV (``POST /slots/{slot}?action=erase``; the server needs ``--slot-save-path``)."""
         return self.send(erase_request(slot))
 
-    def save_pool(self, slot: int, filename: str, *, cache_salt: str | None = None) -> Json:
+    def save_pool(
+        self, slot: int, filename: str, *, cache_salt: str | None = None, sha256_of_tokens: str | None = None
+    ) -> Json:
         """Save reserved pool ``slot`` to ``filename`` in the server's ``--slot-save-path`` (atomic;
-        ``cache_salt``: the salt the pool was primed under)."""
-        return self.send(pool_file_request("save", slot, filename, cache_salt=cache_salt))
+        ``cache_salt``: the salt the pool was primed under; ``sha256_of_tokens``: refused unless the
+        pool holds those tokens)."""
+        fields = {"cache_salt": cache_salt, "sha256_of_tokens": sha256_of_tokens}
+        return self.send(pool_file_request("save", slot, filename, **fields))
 
     def restore_pool(
-        self, slot: int, filename: str, *, tokens: Sequence[int] | None = None, cache_salt: str | None = None
+        self,
+        slot: int,
+        filename: str,
+        *,
+        tokens: Sequence[int] | None = None,
+        cache_salt: str | None = None,
+        promoted: bool | None = None,
     ) -> Json:
-        """Restore reserved pool ``slot`` from ``filename`` (verified; see :func:`pool_file_request`)."""
-        return self.send(pool_file_request("restore", slot, filename, tokens=tokens, cache_salt=cache_salt))
+        """Restore reserved pool ``slot`` from ``filename`` (verified; see :func:`pool_file_request`;
+        ``promoted``: mark it as a ``--share-any`` promoted prefix)."""
+        fields = {"tokens": tokens, "cache_salt": cache_salt, "promoted": promoted}
+        return self.send(pool_file_request("restore", slot, filename, **fields))
 
     def pools(self) -> list[PoolState]:
         """The reserved pools' states: resident, salted, tokens (a hash, or a MAC keyed with the salt), hits,
@@ -873,15 +886,25 @@ class AsyncClient(_Base):
         """Empty ``slot``'s KV (``POST /slots/{slot}?action=erase``)."""
         return await self.send(erase_request(slot))
 
-    async def save_pool(self, slot: int, filename: str, *, cache_salt: str | None = None) -> Json:
+    async def save_pool(
+        self, slot: int, filename: str, *, cache_salt: str | None = None, sha256_of_tokens: str | None = None
+    ) -> Json:
         """Save reserved pool ``slot`` to ``filename`` (see :meth:`Client.save_pool`)."""
-        return await self.send(pool_file_request("save", slot, filename, cache_salt=cache_salt))
+        fields = {"cache_salt": cache_salt, "sha256_of_tokens": sha256_of_tokens}
+        return await self.send(pool_file_request("save", slot, filename, **fields))
 
     async def restore_pool(
-        self, slot: int, filename: str, *, tokens: Sequence[int] | None = None, cache_salt: str | None = None
+        self,
+        slot: int,
+        filename: str,
+        *,
+        tokens: Sequence[int] | None = None,
+        cache_salt: str | None = None,
+        promoted: bool | None = None,
     ) -> Json:
         """Restore reserved pool ``slot`` from ``filename`` (see :meth:`Client.restore_pool`)."""
-        return await self.send(pool_file_request("restore", slot, filename, tokens=tokens, cache_salt=cache_salt))
+        fields = {"tokens": tokens, "cache_salt": cache_salt, "promoted": promoted}
+        return await self.send(pool_file_request("restore", slot, filename, **fields))
 
     async def pools(self) -> list[PoolState]:
         """The reserved pools' states (see :meth:`Client.pools`)."""

@@ -41,6 +41,8 @@ Json = dict[str, Any]
 
 #: Suffix of the files :func:`pool_file_name` names.
 POOL_FILE_SUFFIX = ".pkvpool"
+#: How the names of promoted pools' files start (:func:`promoted_file_name`; declared pools' start with ``pool-``).
+PROMOTED_FILE_PREFIX = "auto-"
 #: What the name of a partial file (a save in progress, or one a killed save left) contains.
 PARTIAL_MARK = f"{POOL_FILE_SUFFIX}.part."
 #: Partial files younger than this (seconds since their last write) may be saves in progress:
@@ -78,6 +80,7 @@ class PoolState:
     sharers: int  # slots that still hold its cells
     last_use_s_ago: float | None
     restored_from: str | None  # the file of its last restore (None: primed, never filled, or salted)
+    promoted: bool = False  # holds a prefix --share-any promoted (or a file of one, restored as such)
 
     @classmethod
     def from_slot(cls, slot: Json) -> PoolState | None:
@@ -98,6 +101,7 @@ class PoolState:
             sharers=int(st.get("sharers", 0)),
             last_use_s_ago=st.get("last_use_s_ago"),
             restored_from=st.get("restored_from"),
+            promoted=bool(st.get("promoted")),
         )
 
     @property
@@ -142,21 +146,44 @@ def pool_file_name(identity: Json, tokens: Sequence[int], cache_salt: str | None
     with another model or KV layout therefore looks for another file (a miss), rather than
     being refused one, and pools of different salts get different files.
     """
+    return _file_name("pool", identity, tokens_sha256(list(tokens)), cache_salt)
+
+
+def promoted_file_name(identity: Json, sha256_of_tokens: str) -> str:
+    """The cache file name of an unsalted pool ``--share-any`` promoted: ``auto-<32 hex>.pkvpool``
+    (:func:`pool_file_name`'s hash; the prefix tells ``polykv serve`` which files to restore at start)."""
+    return _file_name(PROMOTED_FILE_PREFIX.rstrip("-"), identity, sha256_of_tokens, None)
+
+
+def _file_name(prefix: str, identity: Json, sha256_of_tokens: str, cache_salt: str | None) -> str:
     h = hashlib.sha256()
     h.update(json.dumps(identity, sort_keys=True, separators=(",", ":")).encode())
-    h.update(tokens_sha256(list(tokens)).encode())
+    h.update(sha256_of_tokens.encode())
     h.update(_salt_digest_for_file_name(cache_salt).encode())
-    return f"pool-{h.hexdigest()[:32]}{POOL_FILE_SUFFIX}"
+    return f"{prefix}-{h.hexdigest()[:32]}{POOL_FILE_SUFFIX}"
 
 
-def action_body(filename: str, *, tokens: Sequence[int] | None = None, cache_salt: str | None = None) -> Json:
+def action_body(
+    filename: str,
+    *,
+    tokens: Sequence[int] | None = None,
+    cache_salt: str | None = None,
+    sha256_of_tokens: str | None = None,
+    promoted: bool | None = None,
+) -> Json:
     """The body of ``POST /slots/N?action=save|restore`` for a pool file (``tokens``: what a restore
-    expects the file to hold; ``cache_salt``: the pool's salt, sent on both for a salted pool)."""
+    expects the file to hold; ``cache_salt``: the pool's salt, sent on both for a salted pool;
+    ``sha256_of_tokens``: a save is refused unless the pool holds those tokens; ``promoted``: a
+    restore marks the pool as a ``--share-any`` promoted prefix, which later promotions may replace)."""
     body: Json = {"filename": filename}
     if tokens is not None:
         body["tokens"] = list(tokens)
     if cache_salt is not None:
         body["cache_salt"] = cache_salt
+    if sha256_of_tokens is not None:
+        body["tokens_sha256"] = sha256_of_tokens
+    if promoted is not None:
+        body["promoted"] = promoted
     return body
 
 

@@ -17,11 +17,14 @@ from polykv_py.errors import HTTPError
 from polykv_py.llama.state import KEY_FILE, MAGIC, tokens_sha256, write_prefix_file
 from polykv_py.pools import (
     PARTIAL_MIN_AGE_S,
+    PROMOTED_FILE_PREFIX,
     PoolCache,
     PoolState,
+    action_body,
     is_missing,
     pool_file_name,
     pool_states,
+    promoted_file_name,
     tokens_mac,
 )
 
@@ -47,6 +50,29 @@ def test_file_names_hash_identity_tokens_and_salt() -> None:
     assert "team" not in pool_file_name(IDENTITY, [1], "team-a")
     assert pool_file_name(IDENTITY, [1, 2, 3], "") == name, "an empty salt is no salt"
     assert not hasattr(pools_module, "salt_sha256"), "nothing may suggest /slots shows a hash of the salt"
+
+
+def test_promoted_pools_files_are_named_apart_from_declared_pools() -> None:
+    sha = tokens_sha256([1, 2, 3])
+    name = promoted_file_name(IDENTITY, sha)
+    assert name.startswith(PROMOTED_FILE_PREFIX) and name.endswith(".pkvpool")
+    assert name[len(PROMOTED_FILE_PREFIX) :] == pool_file_name(IDENTITY, [1, 2, 3])[len("pool-") :], "same hash"
+    assert promoted_file_name(IDENTITY, tokens_sha256([1, 2])) != name
+    assert promoted_file_name({**IDENTITY, "format": 3}, sha) != name, "another server layout, another file"
+
+
+def test_action_bodies_send_only_what_is_given() -> None:
+    assert action_body("f.pkvpool") == {"filename": "f.pkvpool"}
+    assert action_body("f.pkvpool", sha256_of_tokens="ab", promoted=True) == {
+        "filename": "f.pkvpool",
+        "tokens_sha256": "ab",
+        "promoted": True,
+    }
+    assert action_body("f.pkvpool", tokens=(1, 2), cache_salt="s") == {
+        "filename": "f.pkvpool",
+        "tokens": [1, 2],
+        "cache_salt": "s",
+    }
 
 
 def _file(cache: PoolCache, name: str, n_bytes: int, age_s: float) -> None:
@@ -95,7 +121,7 @@ def test_pool_states_from_slots() -> None:
     slots = [
         {"id": 0, "polykv_pool": True, "polykv_pool_state": {"resident": True, "salted": False, "n_tokens": 9,
          "tokens_sha256": "t", "tokens_mac": None, "hits": 3, "sharers": 2, "last_use_s_ago": 1.5,
-         "restored_from": "p.pkvpool"}},
+         "restored_from": "p.pkvpool", "promoted": True}},
         {"id": 1, "n_ctx": 100},
         {"id": 2, "polykv_pool": True, "polykv_pool_state": {"resident": True, "salted": True, "n_tokens": None,
          "tokens_sha256": None, "tokens_mac": "m", "hits": 0, "sharers": 0, "last_use_s_ago": None,
@@ -105,7 +131,7 @@ def test_pool_states_from_slots() -> None:
          "restored_from": None}},
     ]  # fmt: skip
     assert pool_states(slots) == [
-        PoolState(0, 9, True, False, "t", None, 3, 2, 1.5, "p.pkvpool"),
+        PoolState(0, 9, True, False, "t", None, 3, 2, 1.5, "p.pkvpool", promoted=True),
         PoolState(2, None, True, True, None, "m", 0, 0, None, None),
         PoolState(3, None, True, "mixed", None, None, 0, 1, 0.5, None),
     ]

@@ -63,6 +63,8 @@ POOL_AUTO = "--pool-auto"
 SERVE_CTX = 32768
 #: Slots ``polykv serve`` gives agents, besides its reserved pools.
 SERVE_AGENT_SLOTS = 8
+#: Reserved pool slots ``polykv serve`` adds, beyond its ``--pool`` files, for the prefixes ``--share-any`` promotes.
+SERVE_AUTO_POOLS = 2
 
 #: Flags ``polykv serve`` adds unless the user passes ``--no-defaults`` (its pools: :func:`serve_pool_args`).
 SERVE_DEFAULTS = (

@@ -32,7 +32,16 @@ from .errors import HTTPError, PolykvError, ServerError
 from .llama_server import LlamaServer
 from .native import ServerKind, server_binary
 from .pools import PoolCache, pool_file_name, report_failed_restore
-from .presets import POOL_AUTO, SERVE_AGENT_SLOTS, SERVE_DEFAULTS, serve_pool_args
+from .presets import (
+    NO_SHARE_ANY,
+    POOL_AUTO,
+    SERVE_AGENT_SLOTS,
+    SERVE_AUTO_POOLS,
+    SERVE_DEFAULTS,
+    SHARE_ANY,
+    serve_pool_args,
+)
+from .promoted import PromotedPoolKeeper, restore_promoted
 
 log = logging.getLogger("polykv.serve")
 
@@ -42,6 +51,8 @@ PoolKind = Literal["text", "chat"]
 SERVE_START_TIMEOUT = 600.0
 #: Seconds ``--help`` may take when probing the binary for a flag.
 HELP_TIMEOUT = 30.0
+#: Seconds between two looks at the promoted pools (saved to the pool cache when new).
+PROMOTED_POLL_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -235,6 +246,7 @@ class ServeOptions:
     pool_auto: bool | None = None  # None: when the binary knows --pool-auto
     agent_slots: int = SERVE_AGENT_SLOTS
     reserve_pools: int = 0  # reserve at least this many pool slots (for pools clients prime, e.g. through a gateway)
+    auto_pools: int = SERVE_AUTO_POOLS  # more reserved slots, for the prefixes --share-any promotes
     log_dir: str | None = None
     start_timeout: float = SERVE_START_TIMEOUT
 
@@ -267,8 +279,11 @@ def build_server(opts: ServeOptions) -> tuple[LlamaServer, list[PoolSpec], PoolC
         raise PolykvError("--pool and --pool-chat reserve slots 0..k-1 themselves: drop --pool-slots")
     if opts.pool_salt and not pools:
         raise PolykvError("--pool-salt salts the pools primed from --pool/--pool-chat: give one")
+    if opts.auto_pools < 0:
+        raise PolykvError(f"--auto-pools must be >= 0, not {opts.auto_pools}")
+    share_any = not opts.upstream and _last_flag([*([] if opts.no_defaults else SERVE_DEFAULTS), *extra]) == SHARE_ANY
     cache = None
-    if pools and not opts.no_pool_cache:  # the server's --slot-save-path is the cache (the user's, if given)
+    if (pools or share_any) and not opts.no_pool_cache:  # the server's --slot-save-path is the cache
         cache = PoolCache(take_option(extra, "--slot-save-path") or opts.pool_cache or PoolCache.default().directory)
         extra += ["--slot-save-path", str(cache.save_path)]
     args: list[str] = [] if opts.no_defaults else list(SERVE_DEFAULTS)
@@ -278,7 +293,7 @@ def build_server(opts: ServeOptions) -> tuple[LlamaServer, list[PoolSpec], PoolC
             pool_auto = supports_flag(binary, POOL_AUTO)
             if not pool_auto:
                 log.info("%s has no %s: plain requests will not share the pools", binary.name, POOL_AUTO)
-        n_pools = max(len(pools), opts.reserve_pools)
+        n_pools = max(len(pools) + (opts.auto_pools if share_any else 0), opts.reserve_pools)
         args += serve_pool_args(n_pools, opts.agent_slots, pool_auto=pool_auto and POOL_AUTO not in extra)
     server = LlamaServer(
         binary,
@@ -302,6 +317,12 @@ def build_server(opts: ServeOptions) -> tuple[LlamaServer, list[PoolSpec], PoolC
             "" if api_key else " with no API key (anyone can prompt, prime and erase slots)",
         )
     return server, pools, cache
+
+
+def _last_flag(args: Sequence[str]) -> str | None:
+    """Whichever of ``--share-any`` / ``--no-share-any`` comes last in ``args`` (llama-server's rule)."""
+    flags = [a for a in args if a in (SHARE_ANY, NO_SHARE_ANY)]
+    return flags[-1] if flags else None
 
 
 class _Stop(Exception):  # noqa: N818 - a signal, not an error
@@ -382,14 +403,35 @@ def _run(server: LlamaServer, pools: Sequence[PoolSpec], salt: str | None, out: 
             log.error("priming the pools failed: %s", exc)
             return 1
         return _died(server)
+    keeper = None
+    restored = 0
+    if cache is not None and server.client.pool_features().share_any:  # promoted prefixes: kept in the cache
+        keeper = PromotedPoolKeeper(server.client, cache)
+        free = [s for s in server.client.pool_features().pool_slots if s not in {p.slot for p in pools}]
+        try:
+            restored = len(restore_promoted(server.client, cache, free))
+        except PolykvError as exc:
+            log.warning("restoring promoted pools failed: %s", exc)
+    promoted = f", {restored} promoted prefix{'es' * (restored != 1)} restored" if restored else ""
     print(
-        f"polykv serve: ready at {server.url}/v1 ({len(pools)} pool{'s' * (len(pools) != 1)} primed; "
+        f"polykv serve: ready at {server.url}/v1 ({len(pools)} pool{'s' * (len(pools) != 1)} primed{promoted}; "
         f"llama-server log: {server.log_path})",
         file=out,
         flush=True,
     )
-    server.wait()
+    while server.wait(timeout=PROMOTED_POLL_S if keeper else None) is None:
+        if keeper is not None:
+            _poll(keeper, server)
     return _died(server)
+
+
+def _poll(keeper: PromotedPoolKeeper, server: LlamaServer) -> None:
+    """Save new promoted pools; a server that does not answer now is asked again at the next poll."""
+    try:
+        keeper.poll()
+    except PolykvError as exc:
+        if server.is_alive():
+            log.debug("promoted pools: %s", exc)
 
 
 def _died(server: LlamaServer) -> int:

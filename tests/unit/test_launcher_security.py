@@ -236,7 +236,8 @@ def test_pools_are_reserved_and_primed_pinned_in_order(fake: dict[str, Any], cap
     with caplog.at_level(logging.INFO):
         assert serve(fake, "--pool", str(a), "--pool-chat", str(b), "--pool", str(a), "--pool-salt", "team-a") == 0
     cmd = argv_of(fake)
-    assert value(cmd, "--pool-slots") == "0,1,2" and value(cmd, "-np") == "11"  # 3 pools + 8 agent slots
+    # 3 pools, 2 more for the prefixes --share-any promotes, 8 agent slots
+    assert value(cmd, "--pool-slots") == "0,1,2,3,4" and value(cmd, "-np") == "13"
     assert "--pool-auto" not in cmd  # this fake's --help does not list it
     posts = [e for e in fake["read"]() if e.get("path") in ("/completion", "/apply-template")]
     assert [e["path"] for e in posts] == ["/completion", "/apply-template", "/completion", "/completion"]
@@ -279,9 +280,23 @@ def test_pool_auto_is_added_when_the_binary_knows_it(fake: dict[str, Any], monke
     monkeypatch.setenv("FAKE_POOL_AUTO", "1")
     assert serve(fake) == 0
     cmd = argv_of(fake)
-    assert "--pool-auto" in cmd and value(cmd, "--pool-slots") == "0" and value(cmd, "-np") == "9"
-    assert serve(fake, "--no-pool-auto", "--agent-slots", "3") == 0
+    assert "--pool-auto" in cmd and value(cmd, "--pool-slots") == "0,1" and value(cmd, "-np") == "10"
+    assert serve(fake, "--no-pool-auto", "--agent-slots", "3", "--auto-pools", "1") == 0
     assert "--pool-auto" not in argv_of(fake) and value(argv_of(fake), "-np") == "4"
+
+
+def test_share_any_reserves_pools_for_promoted_prefixes_and_a_cache_for_them(fake: dict[str, Any]) -> None:
+    cache = fake["tmp"] / "pools"
+    assert serve(fake, "--pool-cache", str(cache), "--auto-pools", "3") == 0
+    cmd = argv_of(fake)
+    assert "--share-any" in cmd and value(cmd, "--pool-slots") == "0,1,2" and value(cmd, "-np") == "11"
+    assert value(cmd, "--slot-save-path") == f"{cache}{os.sep}"
+    # --no-share-any last: nothing is promoted, so no pools are added and no cache is needed without --pool
+    assert serve(fake, "--pool-cache", str(cache), "--", "--no-share-any") == 0
+    cmd = argv_of(fake)
+    assert value(cmd, "--pool-slots") == "0" and value(cmd, "-np") == "9" and "--slot-save-path" not in cmd
+    assert serve(fake, "--no-pool-cache") == 0
+    assert value(argv_of(fake), "--pool-slots") == "0,1" and "--slot-save-path" not in argv_of(fake)
 
 
 def test_no_defaults_keeps_only_what_the_pools_need(fake: dict[str, Any]) -> None:
@@ -302,6 +317,7 @@ def test_no_defaults_keeps_only_what_the_pools_need(fake: dict[str, Any]) -> Non
         (["--upstream", "--pool", "{doc}"], "the reference server (--upstream) has none"),
         (["--pool", "{doc}", "--", "--pool-slots", "3"], "drop --pool-slots"),
         (["--pool-salt", "s"], "give one"),
+        (["--auto-pools", "-1"], "--auto-pools must be >= 0"),
         (["--pool", "{missing}"], "cannot read pool file"),
     ],
 )

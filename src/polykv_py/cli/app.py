@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import PolykvError
-from ..presets import POOL_AUTO, SERVE_AGENT_SLOTS, SERVE_DEFAULTS
+from ..presets import POOL_AUTO, SERVE_AGENT_SLOTS, SERVE_AUTO_POOLS, SERVE_DEFAULTS
 
 log = logging.getLogger("polykv")
 
@@ -92,8 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"reserve a pool slot holding {what}; repeatable")  # fmt: skip
     p.add_argument("--pool-salt", metavar="SALT", help="prime the pools with cache_salt SALT: only requests "
                    "with the same cache_salt share them")  # fmt: skip
-    p.add_argument("--pool-cache", metavar="DIR", help="restore the pools from pool files here, save computed ones "
-                   "(the server's --slot-save-path; default $POLYKV_CACHE_DIR/pools)")  # fmt: skip
+    p.add_argument("--pool-cache", metavar="DIR", help="restore the pools (and the prefixes --share-any promoted "
+                   "before) from pool files here, save computed ones (the server's --slot-save-path; default "
+                   "$POLYKV_CACHE_DIR/pools)")  # fmt: skip
     p.add_argument("--no-pool-cache", action="store_true", help="always compute the pools; save nothing")
     auto = p.add_mutually_exclusive_group()
     auto.add_argument(
@@ -116,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reserve-pools", type=int, default=0, metavar="K",
                    help="reserve at least K pool slots (0..K-1), e.g. for pools that clients prime through a gateway "
                    "(docs/cluster.md); --pool files fill the first ones")  # fmt: skip
+    p.add_argument("--auto-pools", type=int, default=SERVE_AUTO_POOLS, metavar="K",
+                   help="with --share-any (the default), K more reserved pool slots for the prefixes it promotes: "
+                   f"saved to the pool cache and restored at start (default {SERVE_AUTO_POOLS})")  # fmt: skip
     p.add_argument("--log-dir", help="directory for the llama-server log (default: a temporary directory)")
     p.add_argument("server_args", nargs=argparse.REMAINDER, help="more llama-server flags, after --")
     p.set_defaults(func=_cmd_serve)

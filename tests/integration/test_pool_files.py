@@ -234,10 +234,15 @@ def test_bad_files_are_refused_and_change_nothing(srv: LlamaServer, saved: dict[
             ({"tokens": "abc"}, "tokens"),
             ({"cache_salt": 5}, "cache_salt"),
             ({"tokens_sha256": "xyz"}, "tokens_sha256"),
+            ({"promoted": "yes"}, "promoted"),
         ):
             with pytest.raises(HTTPError, match=reason) as err:
                 c.send(Request.post(f"/slots/{POOL}?action=restore", {"filename": "base.pkvpool", **body}))
             assert err.value.status == 400
+        # a save that names the tokens it expects (polykv serve saving a promoted pool) is refused for others
+        with pytest.raises(HTTPError, match="holds other tokens than expected") as err:
+            c.save_pool(POOL, "changed.pkvpool", sha256_of_tokens=tokens_sha256(saved["tokens"][:-1]))
+        assert err.value.status == 400 and not (save_dir / "changed.pkvpool").exists()
         # the pool was never touched: still resident, sharers hit with the same answers
         assert pool(c).resident and pool(c).restored_from == "base.pkvpool"
         again = answers(c)

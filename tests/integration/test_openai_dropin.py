@@ -225,7 +225,7 @@ def test_props_announce_the_pools(patched: LlamaServer) -> None:
     files = features.pool_files
     assert files is not None and files["format"] == 3 and files["kv"]["n_stream"] == 1  # patch 0075
     assert dataclasses.replace(features, pool_files=None) == PoolFeatures(
-        pool_slots=(0, 1, 2), pool_auto=True, pool_auto_min_tokens=64, server_prefix=True
+        pool_slots=(0, 1, 2), pool_auto=True, pool_auto_min_tokens=64, server_prefix=True, share_any=True
     )
 
 

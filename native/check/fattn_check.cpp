@@ -8,7 +8,9 @@
 // stdout; the pytest module (test_fattn_kernel.py) asserts the bounds.
 //
 // usage: polykv-fattn-check [--quick]
-//        polykv-fattn-check --bench [N] [n_kv] [threads]   ms per node, path off and on (default 16 4608 2)
+//        polykv-fattn-check --bench [N] [n_kv] [threads] [n_priv] [layout]
+//            ms per node, path off and on (default 16 4608 2, a quarter of the cells private, "prefix";
+//            "causal": one sequence's prompt batch)
 
 #include "ggml.h"
 #include "ggml-backend.h"
@@ -47,11 +49,12 @@ struct cpu_switch {
 };
 
 struct test_case {
-    std::string layout;  // prefix | random | holes
+    std::string layout;  // prefix | random | holes | causal
     int DK, DV, n_head, n_head_kv, N, n_kv, threads;
     ggml_type kv_type;
     uint32_t seed;
     std::string decline = ""; // a node the path must leave to upstream: softcap | alibi | sinks | kv_type | rows
+    int n_priv = -1;          // "prefix"/"holes": private cells after the prefix (-1: a quarter of n_kv)
 };
 
 // visibility of cell c to token i
@@ -68,8 +71,17 @@ std::vector<uint8_t> make_mask(const test_case & tc, std::mt19937 & rng) {
         }
         return vis;
     }
+    if (tc.layout == "causal") {
+        // one sequence's prompt batch: token i is at cell n_kv - N + i and sees every cell up to it
+        for (int i = 0; i < tc.N; ++i) {
+            for (int c = 0; c <= tc.n_kv - tc.N + i; ++c) {
+                at(i, c) = 1;
+            }
+        }
+        return vis;
+    }
     // a shared prefix, then private cells interleaved one per token per step (decode order)
-    const int priv = tc.n_kv / 4;
+    const int priv = tc.n_priv >= 0 ? std::min(tc.n_priv, tc.n_kv) : tc.n_kv / 4;
     const int P    = tc.n_kv - priv;
     for (int i = 0; i < tc.N; ++i) {
         for (int c = 0; c < P; ++c) {
@@ -295,7 +307,9 @@ int main(int argc, char ** argv) {
         // the default model's heads (9 query, 3 KV, 64 wide) over a shared prefix, f16 KV
         const int N = argc > 2 ? atoi(argv[2]) : 16, n_kv = argc > 3 ? atoi(argv[3]) : 4096 + 512;
         const int threads = argc > 4 ? atoi(argv[4]) : 2;
-        const result r = run_case({ "prefix", 64, 64, 9, 3, N, n_kv, threads, GGML_TYPE_F16, 1 }, sw, 21);
+        const int n_priv  = argc > 5 ? atoi(argv[5]) : -1;
+        const std::string layout = argc > 6 ? argv[6] : "prefix";
+        const result r = run_case({ layout, 64, 64, 9, 3, N, n_kv, threads, GGML_TYPE_F16, 1, "", n_priv }, sw, 21);
         printf("{\"N\": %d, \"n_kv\": %d, \"threads\": %d, \"ms_off\": %.3f, \"ms_on\": %.3f, \"on_over_off\": %.3f, "
                "\"err_on\": %.3g}\n", N, n_kv, threads, r.ms_off, r.ms_on, r.ms_on / r.ms_off, r.err_on);
         return 0;
@@ -320,6 +334,12 @@ int main(int argc, char ** argv) {
     // the shape: the default model's heads over a 4k prefix, 16 agents, 2 threads
     cases.push_back({ "prefix", 64, 64, 9, 3, 16, 4096 + 512, 2, GGML_TYPE_F16, seed++ });
     cases.push_back({ "prefix", 64, 64, 9, 3, 2, 300, 2, GGML_TYPE_F16, seed++ });
+    // prompt batches of 64-511 rows: 8 agents' turns over a shared prefix and their transcripts, and one
+    // sequence's prompt (causal)
+    cases.push_back({ "prefix", 64, 64, 9, 3, 144, 1500, 2, GGML_TYPE_F16, seed++, "", 700 });
+    cases.push_back({ "holes", 64, 64, 4, 4, 100, 1000, 3, GGML_TYPE_Q8_0, seed++ });
+    cases.push_back({ "causal", 64, 64, 9, 3, 200, 777, 2, GGML_TYPE_F16, seed++ });
+    cases.push_back({ "causal", 128, 128, 16, 2, 511, 600, 1, GGML_TYPE_F16, seed++ });
     // nodes the path must decline (switch on, upstream's kernel computes them, bit for bit as with it off)
     cases.push_back({ "prefix", 64, 64, 9, 3, 16, 700, 2, GGML_TYPE_F16, seed++, "softcap" });
     cases.push_back({ "prefix", 64, 64, 8, 8, 16, 700, 2, GGML_TYPE_F16, seed++, "alibi" });
@@ -327,7 +347,7 @@ int main(int argc, char ** argv) {
     cases.push_back({ "prefix", 64, 64, 9, 3, 16, 700, 2, GGML_TYPE_Q4_0, seed++, "kv_type" });
     cases.push_back({ "prefix", 64, 64, 9, 3, 16, 700, 2, GGML_TYPE_Q5_1, seed++, "kv_type" });
     cases.push_back({ "prefix", 64, 64, 9, 3, 1, 700, 2, GGML_TYPE_F16, seed++, "rows" });
-    cases.push_back({ "prefix", 64, 64, 9, 3, 64, 700, 2, GGML_TYPE_F16, seed++, "rows" });
+    cases.push_back({ "prefix", 64, 64, 9, 3, 512, 700, 2, GGML_TYPE_F16, seed++, "rows" });
 
     int bad = 0;
     for (const test_case & tc : cases) {

@@ -45,7 +45,7 @@ namespace POLYKV_FA_NS {
 static constexpr int64_t TILE = 64;   // cells per tile
 static constexpr int64_t RPAD = 16;   // rows are padded to a multiple of this (>= any f32 vector)
 static constexpr int64_t ALIGN_F = 16; // scratch buffers start on 64-byte boundaries
-static constexpr int64_t MAX_ROWS = 64; // from 64 query rows upstream's tiled kernel takes over
+static constexpr int64_t MAX_ROWS = 512; // from 512 query rows (a full default ubatch) upstream's tiled kernel takes over
 
 enum kv_kind { KV_F16 = 0, KV_Q8_0 = 1 };
 

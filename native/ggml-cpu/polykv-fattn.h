@@ -6,7 +6,9 @@
 // head, the N rows times the query heads that share that KV head, loads each K/V tile once for
 // all of them (a small GEMM against the tile), splits the KV range into chunks that threads take
 // one at a time (partials merged with log-sum-exp), and skips tiles where every row is masked.
-// Tiles that only a few rows see (private cells) are scored per row, cell by cell.
+// Tiles that only a few rows see (private cells) are scored per row, cell by cell. Prompt batches of
+// up to 511 rows take it too: several agents' turns over unified KV, where upstream's tiled kernel
+// scores every row against every agent's cells.
 //
 // Off by default: only a caller that sets it (the patched llama-server's --shared-decode, the
 // polykv engine) turns it on, through the CPU backend's proc address

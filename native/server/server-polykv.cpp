@@ -663,7 +663,7 @@ bool polykv_shared_decode_init(const common_params & params_base) {
             !kv_ok(params_base.cache_type_k) || !kv_ok(params_base.cache_type_v)) {
             SRV_WRN("%s", "--shared-decode: needs flash attention and f16/q8_0 KV; attention keeps upstream's kernel\n");
         } else {
-            SRV_INF("%s", "polykv: --shared-decode on: decode batches of 2-63 tokens score shared KV tiles once per KV head\n");
+            SRV_INF("%s", "polykv: --shared-decode on: batches of 2-511 tokens score shared KV tiles once per KV head\n");
         }
     }
     return true;

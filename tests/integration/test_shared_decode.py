@@ -99,7 +99,7 @@ def test_answers_match_the_server_without_it(runs: Runs) -> None:
 def test_the_path_ran_only_where_it_was_turned_on(runs: Runs) -> None:
     on = runs["on"][1]["polykv_shared_decode"]
     assert isinstance(on, dict) and on["enabled"] is True
-    # one op per layer (30) per batch of 2-63 tokens: most of each round's 16 decode steps batch all agents
+    # one op per layer (30) per batch of 2-511 tokens: most of each round's 16 decode steps batch all agents
     assert on["ops"] >= 30 * (GEN["n_predict"] // 2) * ROUNDS, on
     assert on["tiles_shared"] > 0 and on["tiles_private"] > 0, on
     off = runs["off"][1].get("polykv_shared_decode")

@@ -5,8 +5,9 @@ flash-attention nodes shaped like llama.cpp's decode graph on random Q/K/V and m
 prefix with interleaved private cells, whole tiles nobody sees, random masks), with GQA ratios
 1/3/8, head sizes 64/128, f16 and q8_0 KV and 1-3 threads, once with the path off (upstream's
 kernel) and once on, against a double-precision reference; on x86-64 also the same computation
-compiled for AVX2 and without SIMD. Nodes the path must leave to upstream (softcap, ALiBi, sinks,
-other KV types, 1 or 64+ rows) are computed with the switch on and must come out bit for bit as
+compiled for AVX2 and without SIMD; also prompt batches of 64-511 rows (several agents' turns, one
+sequence's causal prompt). Nodes the path must leave to upstream (softcap, ALiBi, sinks,
+other KV types, 1 or 512+ rows) are computed with the switch on and must come out bit for bit as
 upstream's. The kernel source must also compile where ggml's vectors are sizeless (ARM SVE,
 RISC-V RVV): checked with the cross compilers when they are installed.
 """
@@ -27,6 +28,10 @@ from polykv_py.native import NATIVE_DIR
 
 log = logging.getLogger(__name__)
 
+#: From this many query rows upstream computes a node with its tiled kernel (f32, like the path's).
+UPSTREAM_TILED_ROWS = 64
+#: Error of an f32 computation of these nodes against the double reference (both kernels measure 1e-6 - 5e-6).
+F32_ROUNDING = 1e-5
 #: Max abs error allowed against the double reference (outputs are averages of N(0,1) values).
 #: Measured here: at most 4e-6 for every build of the path; upstream's kernel 5e-3-3e-2 (it rounds
 #: Q to f16 (q8_0 for q8_0 K) and accumulates V in f16).
@@ -70,7 +75,10 @@ def test_every_case_took_the_path_and_is_within_bounds(cases: list[dict[str, Any
         assert c["ops"] == 1, c  # on: this path computed the node; off: upstream's (its rounding differs)
         assert c["on_vs_off"] > 0, c
         assert c["err_on"] <= MAX_ERR, c
-        assert c["err_on"] <= c["err_off"], c  # never less exact than upstream's kernel
+        if c["N"] < UPSTREAM_TILED_ROWS:
+            assert c["err_on"] <= c["err_off"], c  # never less exact than upstream's one-row kernel (f16 Q)
+        else:  # upstream's tiled kernel computes in f32 too: the same up to f32 rounding
+            assert c["err_on"] <= max(c["err_off"], F32_ROUNDING), c
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the AVX2 and scalar builds are x86-64 only")
@@ -89,6 +97,8 @@ def test_shared_private_and_masked_tiles_are_all_exercised(cases: list[dict[str,
     assert all(c["tiles_shared"] > 0 for c in cases)
     # private cells interleaved one per agent: scored row by row from 16 agents on
     assert all(c["tiles_private"] > 0 for c in by["prefix"] + by["holes"] if c["N"] >= 16)
+    # prompt batches of 64-511 rows (agents' turns over their transcripts, one sequence's causal prompt)
+    assert {c["layout"] for c in cases if c["N"] >= UPSTREAM_TILED_ROWS} == {"prefix", "holes", "causal"}
     assert {c["n_head"] // c["n_head_kv"] for c in cases} == {1, 3, 8}
     assert {c["DK"] for c in cases} == {64, 128}
     assert {c["kv_type"] for c in cases} == {"f16", "q8_0"}
@@ -98,7 +108,7 @@ def test_unsupported_nodes_are_declined_and_left_to_upstream(all_cases: list[dic
     declined = [c for c in all_cases if c["decline"]]
     assert {c["decline"] for c in declined} == {"softcap", "alibi", "sinks", "kv_type", "rows"}
     assert {c["kv_type"] for c in declined if c["decline"] == "kv_type"} >= {"q4_0", "q5_1"}
-    assert {c["N"] for c in declined if c["decline"] == "rows"} == {1, 64}
+    assert {c["N"] for c in declined if c["decline"] == "rows"} == {1, 512}
     for c in declined:
         assert c["ops"] == 0, c  # the switch was on, and the path did not take the node
         assert c["on_vs_off"] == 0, c  # upstream's kernel computed it, bit for bit

@@ -2,7 +2,7 @@
 
 libggml is one per process: the switch applies to every context of this process (the
 patched llama-server sets the same switch from ``--shared-decode``). Off by default; off,
-ggml computes what upstream computes. It applies to flash-attention batches of 2-63 tokens
+ggml computes what upstream computes. It applies to flash-attention batches of 2-511 tokens
 with f16 or q8_0 KV (unified KV lets agents' rows share the prefix cells).
 """
 

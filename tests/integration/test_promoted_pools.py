@@ -33,7 +33,7 @@ import pytest
 
 from polykv_py.client import Client
 from polykv_py.data import sample_document
-from polykv_py.harness.compare import compare_steps, steps_from_probs
+from polykv_py.harness.compare import compare_chat
 from polykv_py.harness.texts import repeat_to_tokens
 from polykv_py.llama.state import read_prefix_header
 from polykv_py.llama_server import free_port
@@ -143,10 +143,5 @@ def test_a_promoted_prefix_is_saved_and_restored_at_the_next_start(model_path: P
         assert cached(again) >= n_sys and again["shared_prefix"]["pool_slot"] == 0, again["usage"]
         assert spent == again["usage"]["prompt_tokens"] - cached(again)
         a, b = first["choices"][0], again["choices"][0]
-        cmp = compare_steps(
-            steps_from_probs(a["logprobs"]["content"]),
-            steps_from_probs(b["logprobs"]["content"]),
-            text_a=a["message"]["content"],
-            text_b=b["message"]["content"],
-        )
+        cmp = compare_chat(a, b)
         assert cmp.ok, f"{cmp.detail}: {a['message']['content']!r} vs {b['message']['content']!r}"

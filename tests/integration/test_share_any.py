@@ -37,7 +37,7 @@ from polykv_py.cluster import Cluster, ClusterConfig
 from polykv_py.data import sample_document
 from polykv_py.errors import ServerError
 from polykv_py.gateway import ROUTED_WORKER_HEADER, GatewayOptions
-from polykv_py.harness.compare import compare_steps, steps_from_probs
+from polykv_py.harness.compare import compare_chat
 from polykv_py.harness.texts import repeat_to_tokens
 from polykv_py.llama_server import LlamaServer
 from polykv_py.pools import PoolCache
@@ -117,12 +117,7 @@ def common_prefix(server: LlamaServer, a: list[dict[str, str]], b: list[dict[str
 def assert_same_answers(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> None:
     for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
         ca, cb = a["choices"][0], b["choices"][0]
-        cmp = compare_steps(
-            steps_from_probs(ca["logprobs"]["content"]),
-            steps_from_probs(cb["logprobs"]["content"]),
-            text_a=ca["message"]["content"],
-            text_b=cb["message"]["content"],
-        )
+        cmp = compare_chat(ca, cb)
         assert cmp.ok, f"agent {i}: {cmp.detail}: {ca['message']['content']!r} vs {cb['message']['content']!r}"
 
 

@@ -12,6 +12,7 @@ from polykv_py.harness.compare import (
     MEASURED_LAYOUT_DRIFT,
     Margins,
     Step,
+    compare_chat,
     compare_greedy,
     compare_steps,
     step_from_logits,
@@ -118,6 +119,17 @@ def test_completion_adapter_reads_llama_server_probabilities() -> None:
     assert compare_greedy(resp, resp).verdict == "identical"
     with pytest.raises(ValueError, match="n_probs"):
         steps_from_completion({"content": "x"})
+
+
+def test_chat_adapter_reads_openai_logprobs() -> None:
+    def choice(token_id: int, text: str, logprob: float) -> dict[str, object]:
+        top = [{"id": token_id, "token": text, "logprob": logprob}, {"id": 4, "token": " Lyon", "logprob": -3.0}]
+        content = [{"id": token_id, "token": text, "logprob": logprob, "top_logprobs": top}]
+        return {"message": {"role": "assistant", "content": text}, "logprobs": {"content": content}}
+
+    paris = choice(9, " Paris", -0.1)
+    assert compare_chat(paris, choice(9, " Paris", -0.1001)).verdict == "identical"
+    assert compare_chat(paris, choice(7, " Rome", -0.1)).verdict == "different"  # a confident flip
 
 
 def test_logits_adapter_is_a_log_softmax() -> None:

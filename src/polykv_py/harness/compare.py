@@ -181,3 +181,15 @@ def compare_greedy(a: Mapping[str, Any], b: Mapping[str, Any], *, margins: Margi
         text_b=b.get("content"),
         margins=margins,
     )
+
+
+def compare_chat(a: Mapping[str, Any], b: Mapping[str, Any], *, margins: Margins = LAYOUT) -> Comparison:
+    """Compare two greedy OpenAI chat choices (``choices[i]`` as a dict, made with ``logprobs`` and
+    ``top_logprobs >= 2``)."""
+    return compare_steps(
+        steps_from_probs(a["logprobs"]["content"]),
+        steps_from_probs(b["logprobs"]["content"]),
+        text_a=a["message"]["content"],
+        text_b=b["message"]["content"],
+        margins=margins,
+    )

@@ -689,8 +689,10 @@ void ggml_backend_cpu_polykv_shared_decode_stats(uint64_t out[4]) {
 }
 
 size_t ggml_cpu_polykv_fa_wsize(const ggml_tensor * dst, int n_tasks) {
+    // nothing while the switch is off (the reference server's buffers stay upstream's); a graph planned
+    // off and computed on finds the buffer too small and leaves the node to upstream's kernel
     problem p;
-    return describe(dst, n_tasks, p) ? wsize_of(p, n_tasks) : 0;
+    return g_on.load(std::memory_order_relaxed) && describe(dst, n_tasks, p) ? wsize_of(p, n_tasks) : 0;
 }
 
 bool ggml_cpu_polykv_fa_decode(const ggml_compute_params * params, ggml_tensor * dst) {

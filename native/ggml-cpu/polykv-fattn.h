@@ -34,7 +34,7 @@ bool ggml_backend_cpu_polykv_get_shared_decode(void);
 // block (shared), [2] tiles scored row by row (private), [3] tiles skipped (every row masked)
 void ggml_backend_cpu_polykv_shared_decode_stats(uint64_t out[4]);
 
-// work buffer this op needs if it qualifies for the path (0 if it never can)
+// work buffer this op needs if the switch is on and it qualifies for the path (else 0)
 size_t ggml_cpu_polykv_fa_wsize(const struct ggml_tensor * dst, int n_tasks);
 
 // computes dst and returns true if the path is on and applies; false: nothing was touched

@@ -10,7 +10,8 @@
 // usage: polykv-fattn-check [--quick]
 //        polykv-fattn-check --bench [N] [n_kv] [threads] [n_priv] [layout]
 //            ms per node, path off and on (default 16 4608 2, a quarter of the cells private, "prefix";
-//            "causal": one sequence's prompt batch)
+//            "causal": one sequence's prompt batch), the attention's GFLOP/s each way and, on x86-64,
+//            the machine's FP32 FMA peak on as many threads, measured in the same run
 
 #include "ggml.h"
 #include "ggml-backend.h"
@@ -18,6 +19,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <thread>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -25,6 +27,10 @@
 #include <random>
 #include <string>
 #include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #if defined(POLYKV_FA_VARIANTS)
 namespace polykv_fa_avx2   { bool run_single(ggml_tensor * dst); }
@@ -113,6 +119,7 @@ std::vector<uint8_t> make_mask(const test_case & tc, std::mt19937 & rng) {
 
 struct result {
     double ms_off = 0, ms_on = 0; // --bench: median ms per node
+    uint64_t visible = 0;         // (token, cell) pairs the mask lets through
     double err_off = 0, err_on = 0, on_vs_off = 0, err_avx2 = -1, err_scalar = -1;
     uint64_t ops = 0, shared = 0, priv = 0, skipped = 0;
     bool ran = false;
@@ -165,6 +172,10 @@ result run_case(const test_case & tc, const cpu_switch & sw, int bench_reps = 0)
     }
 
     const std::vector<uint8_t> vis = make_mask(tc, rng);
+    result res;
+    for (uint8_t x : vis) {
+        res.visible += x;
+    }
     ggml_fp16_t * m = (ggml_fp16_t *) mask->data;
     for (int64_t i = 0; i < mask_rows; ++i) {
         for (int c = 0; c < tc.n_kv; ++c) {
@@ -230,7 +241,6 @@ result run_case(const test_case & tc, const cpu_switch & sw, int bench_reps = 0)
         return o;
     };
 
-    result res;
     sw.set(false);
     ggml_graph_compute_with_ctx(ctx, gf, tc.threads);
     const std::vector<float> off = output();
@@ -292,6 +302,86 @@ result run_case(const test_case & tc, const cpu_switch & sw, int bench_reps = 0)
     return res;
 }
 
+// ---------------------------------------------------------------------------- FP32 FMA peak
+
+// 12 independent FMA chains per thread (more than latency x ports on current x86 cores), vectors
+// of the widest kind the CPU has; GFLOP/s over all threads, best of 3 runs of 0.05-0.3 s.
+#if defined(__x86_64__)
+__attribute__((target("avx512f"))) float fma_chains_512(int64_t iters) {
+    __m512 a[12];
+    for (int j = 0; j < 12; ++j) {
+        a[j] = _mm512_set1_ps(1.0f + 0.001f*j);
+    }
+    const __m512 b = _mm512_set1_ps(0.9999999f), c = _mm512_set1_ps(1e-7f);
+    for (int64_t i = 0; i < iters; ++i) {
+        for (int j = 0; j < 12; ++j) {
+            a[j] = _mm512_fmadd_ps(a[j], b, c);
+        }
+    }
+    float out = 0;
+    for (int j = 0; j < 12; ++j) {
+        out += _mm512_reduce_add_ps(a[j]);
+    }
+    return out;
+}
+
+__attribute__((target("avx2,fma"))) float fma_chains_256(int64_t iters) {
+    __m256 a[12];
+    for (int j = 0; j < 12; ++j) {
+        a[j] = _mm256_set1_ps(1.0f + 0.001f*j);
+    }
+    const __m256 b = _mm256_set1_ps(0.9999999f), c = _mm256_set1_ps(1e-7f);
+    for (int64_t i = 0; i < iters; ++i) {
+        for (int j = 0; j < 12; ++j) {
+            a[j] = _mm256_fmadd_ps(a[j], b, c);
+        }
+    }
+    alignas(32) float v[8];
+    float out = 0;
+    for (int j = 0; j < 12; ++j) {
+        _mm256_store_ps(v, a[j]);
+        for (float x : v) {
+            out += x;
+        }
+    }
+    return out;
+}
+#endif
+
+// -1 where it is not measured (no AVX2+FMA, or not x86-64)
+double fma_peak_gflops(int threads) {
+#if defined(__x86_64__)
+    const bool w512 = __builtin_cpu_supports("avx512f");
+    if (!w512 && !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) {
+        return -1;
+    }
+    const int lanes = w512 ? 16 : 8;
+    const int64_t iters = w512 ? 40000000 : 80000000; // 0.05-0.3 s per thread on current cores
+    volatile float sink = 0;
+    double best = 0;
+    for (int run = 0; run < 3; ++run) {
+        std::vector<std::thread> pool;
+        std::vector<float> got(threads);
+        const auto t0 = std::chrono::steady_clock::now();
+        for (int t = 0; t < threads; ++t) {
+            pool.emplace_back([&, t] { got[t] = w512 ? fma_chains_512(iters) : fma_chains_256(iters); });
+        }
+        for (std::thread & th : pool) {
+            th.join();
+        }
+        const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        for (float g : got) {
+            sink = sink + g;
+        }
+        best = std::max(best, 2.0*12*lanes*(double) iters*threads/s/1e9);
+    }
+    return best;
+#else
+    (void) threads;
+    return -1;
+#endif
+}
+
 } // namespace
 
 int main(int argc, char ** argv) {
@@ -310,8 +400,15 @@ int main(int argc, char ** argv) {
         const int n_priv  = argc > 5 ? atoi(argv[5]) : -1;
         const std::string layout = argc > 6 ? argv[6] : "prefix";
         const result r = run_case({ layout, 64, 64, 9, 3, N, n_kv, threads, GGML_TYPE_F16, 1, "", n_priv }, sw, 21);
+        // the attention's own arithmetic: per query head and visible (token, cell) pair, a DK dot
+        // product and a DV axpy, 2 flops per multiply-add (upstream does the same amount)
+        const double gflop = (double) r.visible * 9 * 2 * (64 + 64) / 1e9;
+        const double peak  = fma_peak_gflops(threads);
         printf("{\"N\": %d, \"n_kv\": %d, \"threads\": %d, \"ms_off\": %.3f, \"ms_on\": %.3f, \"on_over_off\": %.3f, "
-               "\"err_on\": %.3g}\n", N, n_kv, threads, r.ms_off, r.ms_on, r.ms_on / r.ms_off, r.err_on);
+               "\"err_on\": %.3g, \"gflop\": %.6f, \"gflops_off\": %.1f, \"gflops_on\": %.1f, "
+               "\"fma_peak_gflops\": %.1f, \"on_of_peak\": %.3f}\n",
+               N, n_kv, threads, r.ms_off, r.ms_on, r.ms_on / r.ms_off, r.err_on, gflop, gflop / r.ms_off * 1e3,
+               gflop / r.ms_on * 1e3, peak, peak > 0 ? gflop / r.ms_on * 1e3 / peak : -1.0);
         return 0;
     }
 

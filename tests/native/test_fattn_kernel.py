@@ -143,3 +143,30 @@ def test_kernel_compiles_for_sizeless_vector_targets(target: str, tmp_path: Path
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_bench_reports_the_attention_arithmetic_and_the_fma_peak() -> None:
+    """``--bench`` (numbers docs/shared-decode.md cites) counts the flops from the mask and measures the FMA peak."""
+    exe = NATIVE_DIR / "bin" / "polykv-fattn-check"
+    n, n_kv, n_priv = 16, 1024, 256
+    proc = subprocess.run(
+        [str(exe), "--bench", str(n), str(n_kv), "1", str(n_priv)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    log.warning("polykv-fattn-check --bench %d %d 1 %d: %s", n, n_kv, n_priv, r)
+    # every token sees the prefix, each private cell one token; 9 query heads, a 64-wide dot and axpy per pair
+    visible = n * (n_kv - n_priv) + n_priv
+    assert r["gflop"] == pytest.approx(visible * 9 * 2 * (64 + 64) / 1e9, abs=1e-6)
+    assert r["ms_off"] > 0 and r["ms_on"] > 0 and r["err_on"] <= MAX_ERR
+    assert r["gflops_on"] == pytest.approx(r["gflop"] / r["ms_on"] * 1e3, rel=1e-2)
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    if platform.machine() == "x86_64" and ({"avx512f"} <= flags or {"avx2", "fma"} <= flags):
+        assert r["fma_peak_gflops"] > 0
+        assert r["on_of_peak"] == pytest.approx(r["gflops_on"] / r["fma_peak_gflops"], rel=1e-2)
+    else:
+        assert r["fma_peak_gflops"] == -1 and r["on_of_peak"] == -1

@@ -267,18 +267,26 @@ result run_case(const test_case & tc, const cpu_switch & sw, int bench_reps = 0)
     res.skipped = after[3] - before[3];
     res.ran = true;
 
-    // --bench: median of bench_reps computations per switch setting, alternating
+    // --bench: median of bench_reps computations per switch setting, alternating, on one threadpool kept
+    // across them as llama.cpp keeps it (ggml_graph_compute_with_ctx would start the threads every time)
     if (bench_reps > 0) {
+        sw.set(true); // the plan sizes the path's work buffer only while the switch is on
+        ggml_threadpool_params tpp = ggml_threadpool_params_default(tc.threads);
+        ggml_threadpool * tp = ggml_threadpool_new(&tpp);
+        ggml_cplan plan = ggml_graph_plan(gf, tc.threads, tp);
+        std::vector<uint8_t> work(plan.work_size);
+        plan.work_data = work.data();
         std::vector<double> t_off, t_on;
         for (int r = 0; r < bench_reps; ++r) {
             for (bool on : { false, true }) {
                 sw.set(on);
                 const auto t0 = std::chrono::steady_clock::now();
-                ggml_graph_compute_with_ctx(ctx, gf, tc.threads);
+                ggml_graph_compute(gf, &plan);
                 const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
                 (on ? t_on : t_off).push_back(ms);
             }
         }
+        ggml_threadpool_free(tp);
         sw.set(false);
         std::sort(t_off.begin(), t_off.end());
         std::sort(t_on.begin(), t_on.end());

@@ -19,13 +19,13 @@
 
 #include <chrono>
 #include <cmath>
-#include <thread>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <algorithm>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -407,10 +407,11 @@ int main(int argc, char ** argv) {
         const int threads = argc > 4 ? atoi(argv[4]) : 2;
         const int n_priv  = argc > 5 ? atoi(argv[5]) : -1;
         const std::string layout = argc > 6 ? argv[6] : "prefix";
-        const result r = run_case({ layout, 64, 64, 9, 3, N, n_kv, threads, GGML_TYPE_F16, 1, "", n_priv }, sw, 21);
+        const test_case tc = { layout, 64, 64, 9, 3, N, n_kv, threads, GGML_TYPE_F16, 1, "", n_priv };
+        const result r = run_case(tc, sw, 21);
         // the attention's own arithmetic: per query head and visible (token, cell) pair, a DK dot
         // product and a DV axpy, 2 flops per multiply-add (upstream does the same amount)
-        const double gflop = (double) r.visible * 9 * 2 * (64 + 64) / 1e9;
+        const double gflop = (double) r.visible * tc.n_head * 2 * (tc.DK + tc.DV) / 1e9;
         const double peak  = fma_peak_gflops(threads);
         printf("{\"N\": %d, \"n_kv\": %d, \"threads\": %d, \"ms_off\": %.3f, \"ms_on\": %.3f, \"on_over_off\": %.3f, "
                "\"err_on\": %.3g, \"gflop\": %.6f, \"gflops_off\": %.1f, \"gflops_on\": %.1f, "

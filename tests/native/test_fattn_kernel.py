@@ -38,6 +38,12 @@ F32_ROUNDING = 1e-5
 MAX_ERR = 1e-4
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    info = Path("/proc/cpuinfo")
+    return set(info.read_text().split()) if info.exists() else set()
+
+
 @pytest.fixture(scope="module")
 def all_cases() -> list[dict[str, Any]]:
     exe = NATIVE_DIR / "bin" / "polykv-fattn-check"
@@ -83,8 +89,7 @@ def test_every_case_took_the_path_and_is_within_bounds(cases: list[dict[str, Any
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the AVX2 and scalar builds are x86-64 only")
 def test_avx2_and_scalar_builds_agree(cases: list[dict[str, Any]]) -> None:
-    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
-    avx2 = {"avx2", "fma", "f16c"} <= set(flags)
+    avx2 = {"avx2", "fma", "f16c"} <= cpu_flags()
     for c in cases:
         assert 0 <= c["err_scalar"] <= MAX_ERR, c
         if avx2:  # the AVX2 build runs only on a CPU that has it
@@ -164,8 +169,8 @@ def test_bench_reports_the_attention_arithmetic_and_the_fma_peak() -> None:
     assert r["gflop"] == pytest.approx(visible * 9 * 2 * (64 + 64) / 1e9, abs=1e-6)
     assert r["ms_off"] > 0 and r["ms_on"] > 0 and r["err_on"] <= MAX_ERR
     assert r["gflops_on"] == pytest.approx(r["gflop"] / r["ms_on"] * 1e3, rel=1e-2)
-    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
-    if platform.machine() == "x86_64" and ({"avx512f"} <= flags or {"avx2", "fma"} <= flags):
+    flags = cpu_flags()
+    if platform.machine() == "x86_64" and ("avx512f" in flags or {"avx2", "fma"} <= flags):
         assert r["fma_peak_gflops"] > 0
         assert r["on_of_peak"] == pytest.approx(r["gflops_on"] / r["fma_peak_gflops"], rel=1e-2)
     else:

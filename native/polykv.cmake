@@ -30,7 +30,9 @@ target_sources(server-context PRIVATE
     "${POLYKV_NATIVE_DIR}/server/server-polykv.cpp"
     "${POLYKV_NATIVE_DIR}/server/server-polykv.h"
     "${POLYKV_NATIVE_DIR}/server/server-polykv-files.cpp"
-    "${POLYKV_NATIVE_DIR}/server/server-polykv-files.h")
+    "${POLYKV_NATIVE_DIR}/server/server-polykv-files.h"
+    "${POLYKV_NATIVE_DIR}/server/server-polykv-provenance.cpp"
+    "${POLYKV_NATIVE_DIR}/server/server-polykv-provenance.h")
 # PUBLIC: upstream's server-task.h includes server-polykv.h, and llama-server-impl compiles it too
 target_include_directories(server-context PUBLIC "${POLYKV_NATIVE_DIR}/server")
 

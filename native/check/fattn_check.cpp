@@ -8,6 +8,10 @@
 // stdout; the pytest module (test_fattn_kernel.py) asserts the bounds.
 //
 // usage: polykv-fattn-check [--quick]
+//        polykv-fattn-check --toggle [computes]
+//            the switch flipped by another thread as fast as it can while one node is computed again and again
+//            on a kept threadpool: every result must be the path's or upstream's, bit for bit (the switch is read
+//            once per graph compute, so the threads of a node never split between the two)
 //        polykv-fattn-check --bench [N] [n_kv] [threads] [n_priv] [layout]
 //            ms per node, path off and on (default 16 4608 2, a quarter of the cells private, "prefix";
 //            "causal": one sequence's prompt batch), the attention's GFLOP/s each way and, on x86-64,
@@ -23,6 +27,7 @@
 #include <cstdio>
 #include <cstring>
 #include <algorithm>
+#include <atomic>
 #include <random>
 #include <string>
 #include <thread>
@@ -123,6 +128,7 @@ struct result {
     double err_off = 0, err_on = 0, on_vs_off = 0, err_avx2 = -1, err_scalar = -1;
     uint64_t ops = 0, shared = 0, priv = 0, skipped = 0;
     bool ran = false;
+    int toggle_on = 0, toggle_off = 0, toggle_mixed = 0; // --toggle: results equal to the path's, upstream's, neither
 };
 
 double max_abs(const std::vector<float> & a, const std::vector<double> & b) {
@@ -134,7 +140,7 @@ double max_abs(const std::vector<float> & a, const std::vector<double> & b) {
     return m;
 }
 
-result run_case(const test_case & tc, const cpu_switch & sw, int bench_reps = 0) {
+result run_case(const test_case & tc, const cpu_switch & sw, int bench_reps = 0, int toggle_reps = 0) {
     std::mt19937 rng(tc.seed);
     std::normal_distribution<float> nd(0.0f, 1.0f);
 
@@ -294,6 +300,45 @@ result run_case(const test_case & tc, const cpu_switch & sw, int bench_reps = 0)
         res.ms_on  = t_on[t_on.size()/2];
     }
 
+    // --toggle: another thread flips the switch while the node is computed toggle_reps times
+    if (toggle_reps > 0) {
+        sw.set(true); // the plan sizes the path's work buffer
+        ggml_threadpool_params tpp = ggml_threadpool_params_default(tc.threads);
+        ggml_threadpool * tp = ggml_threadpool_new(&tpp);
+        ggml_cplan plan = ggml_graph_plan(gf, tc.threads, tp);
+        std::vector<uint8_t> work(plan.work_size);
+        plan.work_data = work.data();
+        std::vector<float> want[2];
+        for (bool on : { false, true }) {
+            sw.set(on);
+            ggml_graph_compute(gf, &plan);
+            want[on] = output();
+        }
+        std::atomic<bool> stop{false};
+        std::thread flipper([&]() {
+            for (bool on = false; !stop.load(); on = !on) {
+                sw.set(on);
+            }
+        });
+        for (int r = 0; r < toggle_reps; ++r) {
+            memset(fa->data, 0, ggml_nbytes(fa));
+            ggml_graph_compute(gf, &plan);
+            const std::vector<float> got = output();
+            const size_t n = got.size()*sizeof(float);
+            if (memcmp(got.data(), want[1].data(), n) == 0) {
+                res.toggle_on++;
+            } else if (memcmp(got.data(), want[0].data(), n) == 0) {
+                res.toggle_off++;
+            } else {
+                res.toggle_mixed++;
+            }
+        }
+        stop.store(true);
+        flipper.join();
+        ggml_threadpool_free(tp);
+        sw.set(false);
+    }
+
 #if defined(POLYKV_FA_VARIANTS)
     memset(fa->data, 0, ggml_nbytes(fa));
     // the AVX2 build runs only where the CPU has AVX2, FMA and F16C (-1 in the report otherwise)
@@ -395,11 +440,20 @@ double fma_peak_gflops(int threads) {
 int main(int argc, char ** argv) {
     const bool quick = argc > 1 && std::string(argv[1]) == "--quick";
     const bool bench = argc > 1 && std::string(argv[1]) == "--bench";
+    const bool toggle = argc > 1 && std::string(argv[1]) == "--toggle";
     ggml_cpu_init();
     cpu_switch sw;
     if (!sw.set || !sw.stats) {
         fprintf(stderr, "polykv-fattn-check: the CPU backend has no ggml_backend_cpu_polykv_* entry points (patch 0076 missing)\n");
         return 2;
+    }
+    if (toggle) {
+        const int reps = argc > 2 ? atoi(argv[2]) : 400;
+        const test_case tc = { "prefix", 64, 64, 9, 3, 16, 1500, 2, GGML_TYPE_F16, 7 };
+        const result r = run_case(tc, sw, 0, reps);
+        printf("{\"computes\": %d, \"on\": %d, \"off\": %d, \"mixed\": %d}\n", reps, r.toggle_on, r.toggle_off,
+               r.toggle_mixed);
+        return r.toggle_mixed == 0 ? 0 : 1;
     }
     if (bench) {
         // the default model's heads (9 query, 3 KV, 64 wide) over a shared prefix, f16 KV

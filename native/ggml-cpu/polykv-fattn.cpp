@@ -696,7 +696,9 @@ size_t ggml_cpu_polykv_fa_wsize(const ggml_tensor * dst, int n_tasks) {
 }
 
 bool ggml_cpu_polykv_fa_decode(const ggml_compute_params * params, ggml_tensor * dst) {
-    if (!g_on.load(std::memory_order_relaxed)) {
+    // the switch as this graph compute read it (ggml_graph_compute, once): a set_shared_decode() while the graph
+    // runs cannot send the threads of one node down different paths
+    if (!params->polykv_shared_decode) {
         return false;
     }
     const int ith = params->ith, nth = params->nth;

@@ -2,7 +2,7 @@
 
 #include "server-polykv-files.h"
 
-#include "server-polykv.h" // polykv_cells_origin, polykv_json_salt
+#include "server-polykv.h" // polykv_json_salt
 
 #include "ggml.h"
 #include "llama.h"
@@ -324,8 +324,13 @@ std::string check_dir(const std::string & dir) {
     GGML_UNUSED(dir);
     return "";
 #else
+    // without its trailing slashes: lstat("link/") follows the link
+    std::string path = dir;
+    while (path.size() > 1 && path.back() == '/') {
+        path.pop_back();
+    }
     struct stat st;
-    if (lstat(dir.c_str(), &st) != 0) {
+    if (lstat(path.c_str(), &st) != 0) {
         return "cannot stat the pool directory " + dir + ": " + strerror(errno);
     }
     if (!S_ISDIR(st.st_mode)) {
@@ -343,9 +348,9 @@ std::string check_dir(const std::string & dir) {
 #endif
 }
 
-// The cache's secret (POLYKV_KEY_FILE in the directory): read it, or create it (0600) if there is none.
+// The cache's secret (POLYKV_KEY_FILE in the directory): read it, or create it (0600) if there is none and create.
 // polykv_py.llama.state reads and creates the same file, so the engine and the server authenticate each other's files.
-std::vector<uint8_t> load_or_create_key(const std::string & dir, std::string & error) {
+std::vector<uint8_t> load_or_create_key(const std::string & dir, std::string & error, bool create = true) {
     std::vector<uint8_t> key(POLYKV_KEY_BYTES);
 #ifdef _WIN32
     GGML_UNUSED(dir);
@@ -367,7 +372,7 @@ std::vector<uint8_t> load_or_create_key(const std::string & dir, std::string & e
             }
             return key;
         }
-        if (errno != ENOENT) {
+        if (errno != ENOENT || !create) {
             error = "cannot read the pool key " + path + ": " + strerror(errno);
             return {};
         }
@@ -375,19 +380,28 @@ std::vector<uint8_t> load_or_create_key(const std::string & dir, std::string & e
         for (auto & b : key) {
             b = (uint8_t) rd();
         }
-        const int wfd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+        // written whole to a file of its own, then linked into place: link() fails if the key exists, so a reader
+        // never sees a key half written, and two processes creating it at once agree on one
+        const std::string tmp = path + ".new." + std::to_string((long long) polykv_getpid()) + "." + std::to_string(rd());
+        const int wfd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
         if (wfd < 0) {
-            if (errno == EEXIST) {
-                continue; // another process created it first: read theirs
-            }
-            error = "cannot create the pool key " + path + ": " + strerror(errno);
+            error = "cannot create the pool key " + tmp + ": " + strerror(errno);
             return {};
         }
         const bool ok = write_all(wfd, key.data(), key.size()) && fsync(wfd) == 0;
         close(wfd);
+        const int linked = ok ? link(tmp.c_str(), path.c_str()) : -1;
+        const int link_errno = errno;
+        unlink(tmp.c_str());
         if (!ok) {
-            unlink(path.c_str());
-            error = "cannot write the pool key " + path;
+            error = "cannot write the pool key " + tmp;
+            return {};
+        }
+        if (linked != 0) {
+            if (link_errno == EEXIST) {
+                continue; // another process created it first: read theirs
+            }
+            error = "cannot create the pool key " + path + ": " + strerror(link_errno);
             return {};
         }
         SRV_INF("poly-kv-pool: created the pool key %s\n", path.c_str());
@@ -520,6 +534,7 @@ void polykv_pool_files::init(const common_params & params, const llama_model * m
     settings_json_ = kv_settings(params);
 
     if (!params.slot_save_path.empty()) {
+        dir_ = params.slot_save_path;
         dir_error_ = check_dir(params.slot_save_path);
         if (dir_error_.empty()) {
             key_ = load_or_create_key(params.slot_save_path, dir_error_);
@@ -566,6 +581,16 @@ void polykv_pool_files::require_usable() const {
     if (key_.size() != POLYKV_KEY_BYTES) {
         throw std::runtime_error("pool files need --slot-save-path");
     }
+    // again at every save and restore: the directory or its key may have changed since the server started
+    const std::string dir_now = check_dir(dir_);
+    if (!dir_now.empty()) {
+        throw std::runtime_error(dir_now);
+    }
+    std::string key_error;
+    if (load_or_create_key(dir_, key_error, /* create */ false) != key_) {
+        throw std::runtime_error(key_error.empty() ? "the pool key " + dir_ + POLYKV_KEY_FILE + " changed since the server started"
+                                                   : key_error);
+    }
 }
 
 std::string polykv_pool_files::salt_mac(const std::string & salt) const {
@@ -593,14 +618,14 @@ std::string polykv_pool_files::file_salt_mac(const std::string & path) const {
 #endif
 }
 
-json polykv_pool_files::save(llama_context * ctx, llama_seq_id seq_id, const llama_tokens & tokens, const polykv_cells_origin & origin,
+json polykv_pool_files::save(llama_context * ctx, llama_seq_id seq_id, const llama_tokens & tokens, const polykv_provenance & prov,
                              const json & expect, const std::string & path) const {
     require_usable();
     // the salt first, and with no detail: a caller without the pool's salt learns nothing and overwrites nothing
-    if (!origin.salt_ok || origin.salt != expect.value("cache_salt", std::string())) {
+    if (!prov.salt_known || prov.salt != expect.value("cache_salt", std::string())) {
         throw std::runtime_error(POLYKV_SALT_REFUSAL);
     }
-    const std::string my_salt_mac = salt_mac(origin.salt);
+    const std::string my_salt_mac = salt_mac(prov.salt);
     {
         // an existing pool file of another salt is not ours to replace
         const std::string theirs = file_salt_mac(path);
@@ -614,10 +639,14 @@ json polykv_pool_files::save(llama_context * ctx, llama_seq_id seq_id, const lla
     if (expect.contains("tokens_sha256") && expect["tokens_sha256"].get<std::string>() != tokens_sha256(tokens)) {
         throw std::runtime_error("the pool holds other tokens than expected (it changed since it was listed)");
     }
-    if (!origin.lora_ok) {
+    if (!prov.lora_known) {
         throw std::runtime_error("the pool's cells were computed under mixed LoRA sets");
     }
-    for (const auto & la : origin.lora) {
+    if (prov.n_exact < (int32_t) tokens.size()) {
+        throw std::runtime_error(string_format("the pool's cells from position %d on were moved by a shift (n_cache_reuse or "
+                                               "context shift): not exact, so not saved", prov.n_exact));
+    }
+    for (const auto & la : prov.lora) {
         if (la.scale != 0.0f) {
             throw std::runtime_error("the pool was computed with a LoRA adapter applied (" + la.path + "); pool files hold KV computed without LoRA");
         }
@@ -687,7 +716,7 @@ json polykv_pool_files::save(llama_context * ctx, llama_seq_id seq_id, const lla
         { "format",        POLYKV_FORMAT },
         { "n_tokens",      tokens.size() },
         { "tokens_sha256", header["tokens_sha256"] },
-        { "salted",        !origin.salt.empty() },
+        { "salted",        !prov.salt.empty() },
         { "state_bytes",   state.size() },
         { "file_bytes",    sizeof(POLYKV_MAGIC) + 4 + head.size() + state.size() + POLYKV_MAC_BYTES },
     };
@@ -887,20 +916,23 @@ json polykv_slot_action_fields(const json & body) {
     return out;
 }
 
-polykv_cells_origin polykv_restored_origin(const json & expect, const std::vector<common_adapter_lora_info> & adapters) {
-    polykv_cells_origin origin;
-    origin.salt = expect.value("cache_salt", std::string());
-    origin.lora = adapters;
-    for (auto & la : origin.lora) {
+polykv_provenance polykv_restored_prov(const json & expect, const std::vector<common_adapter_lora_info> & adapters) {
+    polykv_provenance prov;
+    prov.salt = expect.value("cache_salt", std::string());
+    prov.lora = adapters;
+    for (auto & la : prov.lora) {
         la.scale = 0.0f;
     }
-    return origin;
+    return prov;
 }
 
-llama_tokens polykv_resident_tokens(llama_context * ctx, llama_seq_id seq_id, const server_tokens & tokens) {
-    auto *          mem = llama_get_memory(ctx);
-    const llama_pos p0  = llama_memory_seq_pos_min(mem, seq_id);
-    const llama_pos p1  = llama_memory_seq_pos_max(mem, seq_id);
+void polykv_pool_snapshot(llama_context * ctx, llama_seq_id seq_id, polykv_pool_stats & stats) {
+    auto * mem = llama_get_memory(ctx);
+    stats.pos_min = llama_memory_seq_pos_min(mem, seq_id);
+    stats.pos_max = llama_memory_seq_pos_max(mem, seq_id);
+}
+
+static llama_tokens resident_tokens(llama_pos p0, llama_pos p1, const server_tokens & tokens) {
     if (p0 != 0 || p1 < 0 || tokens.has_mtmd || (size_t) p1 >= tokens.size()) {
         return {};
     }
@@ -909,19 +941,25 @@ llama_tokens polykv_resident_tokens(llama_context * ctx, llama_seq_id seq_id, co
     return out;
 }
 
-json polykv_pool_state_json(llama_context * ctx, llama_seq_id seq_id, const server_tokens & prompt,
-                            const polykv_cells_origin & origin, const polykv_pool_stats & stats, int n_sharers) {
-    const llama_tokens tokens   = polykv_resident_tokens(ctx, seq_id, prompt);
+llama_tokens polykv_resident_tokens(llama_context * ctx, llama_seq_id seq_id, const server_tokens & tokens) {
+    auto * mem = llama_get_memory(ctx);
+    return resident_tokens(llama_memory_seq_pos_min(mem, seq_id), llama_memory_seq_pos_max(mem, seq_id), tokens);
+}
+
+json polykv_pool_state_json(const server_tokens & prompt, const polykv_provenance & prov, const polykv_pool_stats & stats,
+                            int n_sharers) {
+    const llama_tokens tokens   = resident_tokens(stats.pos_min, stats.pos_max, prompt);
     const bool         resident = !tokens.empty();
-    const bool         salted   = !origin.salt_ok || !origin.salt.empty();
+    const bool         salted   = !prov.salt_known || !prov.salt.empty();
     const int64_t      now      = ggml_time_us();
     // a salted pool shows nothing of its tokens but a MAC keyed with its salt (docs/security.md)
     json tokens_sha = resident && !salted ? json(tokens_sha256(tokens)) : json(nullptr);
-    json tokens_hm  = resident && salted && origin.salt_ok ? json(tokens_mac(tokens, origin.salt)) : json(nullptr);
+    json tokens_hm  = resident && salted && prov.salt_known ? json(tokens_mac(tokens, prov.salt)) : json(nullptr);
     return {
         { "n_tokens",        salted ? json(nullptr) : json(resident ? tokens.size() : 0) },
         { "resident",        resident },
-        { "salted",          origin.salt_ok ? json(salted) : json("mixed") },
+        { "salted",          prov.salt_known ? json(salted) : json("mixed") },
+        { "exact",           prov.n_exact == polykv_provenance::ALL || (resident && prov.n_exact >= (int32_t) tokens.size()) },
         { "tokens_sha256",   tokens_sha },
         { "tokens_mac",      tokens_hm },
         { "hits",            stats.hits },

@@ -9,8 +9,10 @@
 //
 // The MAC covers everything before it and is keyed with the cache's secret, ".polykv-pool.key" in the pool
 // directory (32 random bytes, mode 0600, created on first use by the server or the engine). The directory must
-// belong to the server's user and be writable by no one else, the key file too; files and keys are opened without
-// following links, and a save creates its "<name>.part.<pid>" with O_EXCL, flushes it and renames it over the name.
+// belong to the server's user and be writable by no one else, the key file too (checked at start and again at every
+// save and restore; a key that changed since start is refused); files and keys are opened without following links, a
+// new key is written whole and linked into place, and a save creates its "<name>.part.<pid>" with O_EXCL, flushes it
+// and renames it over the name.
 // The header records the model (sha256 of the GGUF file and its shape), the KV layout (streams, K and V types),
 // the settings that change KV (RoPE/YaRN, --override-kv, control vectors), the token list and its sha256, a MAC of
 // the pool's cache_salt (keyed like the file: never the salt, nor a hash anyone could test guesses against), and
@@ -26,7 +28,7 @@
 #include <string>
 #include <vector>
 
-struct polykv_cells_origin;
+#include "server-polykv-provenance.h"
 
 // What an operator sees of a reserved pool in /slots ("polykv_pool_state"), besides its tokens.
 struct polykv_pool_stats {
@@ -34,6 +36,8 @@ struct polykv_pool_stats {
     int64_t     t_last_use_us = 0; // last share, restore or prompt on the pool (ggml_time_us); 0: never
     std::string restored_from;     // the file of the last restore ("" if primed here or never filled)
     bool        promoted = false;  // holds a prefix --share-any promoted (0077), or a file of one restored as such
+    llama_pos   pos_min  = -1;     // the pool sequence's positions as of the scheduler's last pass (polykv_pool_snapshot):
+    llama_pos   pos_max  = -1;     // /slots answers from them while a decode runs (reading the KV cache then would race)
 };
 
 // A verified pool file, read into memory; nothing in the KV cache has changed yet.
@@ -60,10 +64,11 @@ class polykv_pool_files {
     json identity() const;
 
     // Writes the sequence seq_id, which holds exactly tokens at positions [0, n), as a pool file (atomic), if the
-    // request's cache_salt (in expect) is the pool's, its tokens_sha256 (if given) that of tokens, and path holds no
-    // pool file of another salt. Throws
+    // request's cache_salt (in expect) is the pool's, its tokens_sha256 (if given) that of tokens, the cells are
+    // exact (none shifted: a restore trusts them as computed from the tokens) and path holds no pool file of another
+    // salt. Throws
     // std::runtime_error with the reason (nothing written then). Returns the "polykv" response object.
-    json save(llama_context * ctx, llama_seq_id seq_id, const llama_tokens & tokens, const polykv_cells_origin & origin,
+    json save(llama_context * ctx, llama_seq_id seq_id, const llama_tokens & tokens, const polykv_provenance & prov,
               const json & expect, const std::string & path) const;
 
     // Reads and verifies a pool file against this server, the request's expectations (the "polykv" object of
@@ -81,6 +86,7 @@ class polykv_pool_files {
     std::string      file_salt_mac(const std::string & path) const; // "" if path holds no authentic pool file
 
     const llama_model *               model_ = nullptr;
+    std::string                       dir_;          // --slot-save-path (checked again, with its key, at every save and restore)
     std::vector<uint8_t>              key_;          // the cache's secret (empty: no --slot-save-path, or refused)
     std::string                       dir_error_;    // why the pool directory or its key is refused ("" if not)
     json                              settings_json_;
@@ -96,16 +102,20 @@ class polykv_pool_files {
 // is marked as a --share-any promoted prefix, which promotion may replace). Returns them as a json object.
 json polykv_slot_action_fields(const json & body);
 
-// A restored pool's origin: computed under the file's salt (the request's, checked against the file's hash)
-// and without LoRA (every adapter of this server at scale 0).
-polykv_cells_origin polykv_restored_origin(const json & expect, const std::vector<common_adapter_lora_info> & adapters);
+// A restored pool's provenance: computed under the file's salt (the request's, checked against the file's MAC),
+// without LoRA (every adapter of this server at scale 0), exact (a save refuses shifted cells).
+polykv_provenance polykv_restored_prov(const json & expect, const std::vector<common_adapter_lora_info> & adapters);
+
+// Records the pool sequence's positions in stats (on the main loop, between decodes).
+void polykv_pool_snapshot(llama_context * ctx, llama_seq_id seq_id, polykv_pool_stats & stats);
 
 // The tokens whose cells the sequence holds: tokens [0, pos_max] if the sequence starts at position 0, else none.
 llama_tokens polykv_resident_tokens(llama_context * ctx, llama_seq_id seq_id, const server_tokens & tokens);
 
-// The "polykv_pool_state" object of a reserved pool's /slots entry.
-json polykv_pool_state_json(llama_context * ctx, llama_seq_id seq_id, const server_tokens & tokens,
-                            const polykv_cells_origin & origin, const polykv_pool_stats & stats, int n_sharers);
+// The "polykv_pool_state" object of a reserved pool's /slots entry, from the positions of its last snapshot (safe
+// while a decode runs).
+json polykv_pool_state_json(const server_tokens & tokens, const polykv_provenance & prov, const polykv_pool_stats & stats,
+                            int n_sharers);
 
 // sha256 of a byte string, as 64 lowercase hex digits.
 std::string polykv_sha256_hex(const void * data, size_t n);

@@ -23,6 +23,9 @@ json server_shared_prefix_outcome::to_json() const {
     if (status == "mismatch") {
         res["common"] = common;
     }
+    if (status == "inexact") {
+        res["exact"] = exact;
+    }
     if (!auto_kind.empty()) {
         res["auto"] = auto_kind;
     }
@@ -90,6 +93,16 @@ polykv_share_decision polykv_share_decide(const polykv_share_input & in, int n_p
             out.status = "mismatch";
             return d;
         }
+        // only the pool's exact cells: those a shift moved (n_cache_reuse, context shift) are never shared
+        if (n_req > in.pool_exact) {
+            n_req = in.pool_exact;
+            if (n_req <= 0) {
+                POLYKV_LOG(LOG_INF, in, "poly-kv-pool: pool slot %d holds no exact cells (shifted from 0) - not sharing\n", id_pool);
+                out.exact  = 0;
+                out.status = "inexact";
+                return d;
+            }
+        }
     }
 
     if (n_req > 0 && n_past >= n_req) {
@@ -149,6 +162,15 @@ polykv_share_decision polykv_share_decide(const polykv_share_input & in, int n_p
         POLYKV_LOG(LOG_WRN, in, "poly-kv-pool: pool slot %d holds different tokens: common prefix %zu < %d requested - "
                    "skipping share, full reprocess\n", id_pool, n_common, n_req);
         out.status = "mismatch";
+        return d;
+    }
+
+    // the pool's cells [0, P) must be exact: computed from those tokens at those positions, none moved by a shift
+    if (n_req > in.pool_exact) {
+        out.exact = in.pool_exact;
+        POLYKV_LOG(LOG_WRN, in, "poly-kv-pool: pool slot %d's cells from position %d on were shifted (not exact) - "
+                   "skipping share, full reprocess\n", id_pool, (int) in.pool_exact);
+        out.status = "inexact";
         return d;
     }
 
@@ -369,46 +391,18 @@ void polykv_write_metrics(const server_metrics & metrics, std::ostream & prometh
     }
 }
 
-void polykv_origin_update(polykv_cells_origin & origin, bool is_pool, const std::string & salt,
-                          const std::vector<common_adapter_lora_info> & lora, int id_slot, int & n_past) {
-    if (n_past > 0) {
-        const bool salt_same = origin.salt_ok && origin.salt == salt;
-        const bool lora_same = origin.lora_ok && are_lora_equal(origin.lora, lora);
-        if (!salt_same || !lora_same) {
-            if (is_pool) {
-                LOG_INF("slot %12.*s: id %2d | task -1 | poly-kv-pool: pool cells were computed under another %s - recomputing the prompt (n_past %d -> 0)\n",
-                        12, "polykv_origin", id_slot, !salt_same ? "cache_salt" : "LoRA set", n_past);
-                n_past = 0;
-            } else {
-                // upstream's own cache reuse keeps the cells [0, n_past): this slot's cells now have mixed origins
-                origin.salt_ok = origin.salt_ok && salt_same;
-                origin.lora_ok = origin.lora_ok && lora_same;
-                return;
-            }
-        }
-    }
-    origin.salt    = salt;
-    origin.salt_ok = true;
-    origin.lora    = lora;
-    origin.lora_ok = true;
-}
-
-void polykv_origin_forget(polykv_cells_origin & origin) {
-    origin.salt_ok = false;
-    origin.lora_ok = false;
-}
-
 int polykv_auto_pool(const std::vector<polykv_pool_candidate> & pools, const server_tokens & tokens,
-                     const std::string & salt, int32_t min_tokens) {
+                     const std::string & salt, const std::vector<common_adapter_lora_info> & lora, int32_t min_tokens) {
     int best = -1;
     int best_n = -1;
     bool best_busy = true;
     const int n_max = (int) tokens.size() - 1;
     for (const auto & p : pools) {
-        if (p.tokens == nullptr || p.origin == nullptr || !p.origin->salt_ok || p.origin->salt != salt) {
+        const int32_t n_exact = p.tokens && p.prov ? polykv_prov_shareable(*p.prov, salt, lora) : 0;
+        if (n_exact <= 0) {
             continue;
         }
-        const int n = std::min<int>((int) p.tokens->get_common_prefix(tokens), n_max);
+        const int n = std::min<int>({ (int) p.tokens->get_common_prefix(tokens), n_max, n_exact });
         if (n > best_n || (n == best_n && best_busy && !p.busy)) {
             best = p.id;
             best_n = n;
@@ -432,8 +426,8 @@ int polykv_pick_slot(const std::vector<polykv_slot_view> & slots, const server_t
         if (s.busy || s.reserved || s.cached == nullptr) {
             continue;
         }
-        const bool   same = s.origin != nullptr && polykv_origin_matches(*s.origin, salt, lora);
-        size_t       lcp  = same ? s.cached->get_common_prefix(tokens) : 0;
+        const size_t exact = s.prov != nullptr ? (size_t) polykv_prov_shareable(*s.prov, salt, lora) : 0;
+        size_t       lcp   = std::min(s.cached->get_common_prefix(tokens), exact);
         size_t       loss = s.cached->size() - lcp;
         if (loss > 0 && lcp < (size_t) std::max<int32_t>(min_tokens, 1)) {
             lcp  = 0;
@@ -451,11 +445,6 @@ int polykv_pick_slot(const std::vector<polykv_slot_view> & slots, const server_t
     return best;
 }
 
-bool polykv_origin_matches(const polykv_cells_origin & origin, const std::string & salt,
-                           const std::vector<common_adapter_lora_info> & lora) {
-    return origin.salt_ok && origin.salt == salt && origin.lora_ok && !lora_all_alora(lora) && are_lora_equal(origin.lora, lora);
-}
-
 polykv_any_source polykv_share_any_source(const std::vector<polykv_slot_view> & others, const server_tokens & tokens,
                                           const std::string & salt, const std::vector<common_adapter_lora_info> & lora,
                                           int32_t min_tokens, llama_context * ctx) {
@@ -466,10 +455,11 @@ polykv_any_source polykv_share_any_source(const std::vector<polykv_slot_view> & 
     }
     auto * mem = llama_get_memory(ctx);
     for (const auto & s : others) {
-        if (s.cached == nullptr || s.origin == nullptr || !polykv_origin_matches(*s.origin, salt, lora)) {
+        const int32_t n_exact = s.cached && s.prov ? polykv_prov_shareable(*s.prov, salt, lora) : 0;
+        if (n_exact <= 0) {
             continue;
         }
-        int32_t n = std::min<int32_t>((int32_t) s.cached->get_common_prefix(tokens), n_max);
+        int32_t n = std::min<int32_t>({ (int32_t) s.cached->get_common_prefix(tokens), n_max, n_exact });
         if (n < std::max<int32_t>(min_tokens, 1) || n <= best.n) {
             continue;
         }
@@ -487,7 +477,7 @@ polykv_any_source polykv_share_any_source(const std::vector<polykv_slot_view> & 
 }
 
 int polykv_promote_target(const std::vector<polykv_slot_view> & slots, const server_tokens & tokens, int32_t n,
-                          const polykv_cells_origin & origin) {
+                          const polykv_provenance & prov) {
     int     best       = -1;
     bool    best_empty = false;
     int64_t best_t     = 0;
@@ -496,8 +486,8 @@ int polykv_promote_target(const std::vector<polykv_slot_view> & slots, const ser
             continue;
         }
         const bool empty = s.cached == nullptr || s.cached->size() == 0;
-        if (!empty && s.origin != nullptr && origin.salt_ok && origin.lora_ok &&
-            polykv_origin_matches(*s.origin, origin.salt, origin.lora) && (int32_t) s.cached->get_common_prefix(tokens) >= n) {
+        if (!empty && s.prov != nullptr && prov.salt_known && prov.lora_known &&
+            std::min<int32_t>((int32_t) s.cached->get_common_prefix(tokens), polykv_prov_shareable(*s.prov, prov.salt, prov.lora)) >= n) {
             return -1; // already held by a pool
         }
         if (s.busy || (!empty && !s.promoted)) {
@@ -557,10 +547,13 @@ bool polykv_share_any_wait(const std::vector<polykv_slot_view> & others, const s
         return false;
     }
     for (const auto & s : others) {
-        if (!s.prefilling || s.task_tokens == nullptr || s.origin == nullptr || !polykv_origin_matches(*s.origin, salt, lora)) {
+        // a leader of another salt or LoRA set is never waited for (its cells could not be shared anyway, and the
+        // wait would tell this request that another tenant is computing the same prefix)
+        const int32_t n_exact = s.prefilling && s.task_tokens && s.prov ? polykv_prov_shareable(*s.prov, salt, lora) : 0;
+        if (n_exact <= 0) {
             continue;
         }
-        const int32_t n = std::min<int32_t>((int32_t) s.task_tokens->get_common_prefix(tokens), n_max);
+        const int32_t n = std::min<int32_t>({ (int32_t) s.task_tokens->get_common_prefix(tokens), n_max, n_exact });
         if (n >= min_tokens && n > n_now) {
             return true;
         }

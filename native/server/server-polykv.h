@@ -6,6 +6,7 @@
 // stay private to server-context.cpp, so what they know is passed in explicitly).
 
 #include "server-common.h" // json, server_tokens, server_metrics
+#include "server-polykv-provenance.h"
 
 #include <cstdint>
 #include <ostream>
@@ -26,9 +27,11 @@ struct server_shared_prefix_outcome {
                                 // chosen by --share-any), "" (both given)
     int32_t     shared    = 0;  // prompt tokens whose KV came from the pool slot and were not computed
     int32_t     common    = -1; // on "mismatch": number of leading tokens the pool slot does have in common
-    std::string status;         // see docs: hit, copied, own_cache, not_resident, mismatch, salt_mismatch, pool_busy, self, unsupported, no_prefix, skipped
+    int32_t     exact     = -1; // on "inexact": the pool's cells [0, exact) are exact, later ones were shifted (0078)
+    std::string status;         // see docs: hit, copied, own_cache, not_resident, mismatch, salt_mismatch, inexact, pool_busy, self, unsupported, no_prefix, skipped
     std::string reason;         // on "unsupported": why
     bool        waited    = false; // --share-any: the prompt waited for another slot to compute the common prefix
+    int64_t     t_wait_us = -1;    // when that wait began (ggml_time_us): a wait ends after --share-any-max-wait
 
     bool opted_in() const { return pool_slot >= 0; }
     bool is_share() const { return status == "hit" || status == "copied"; }
@@ -49,6 +52,7 @@ struct polykv_share_input {
     int32_t auto_min  = 0;     // auto_n on a named pool: a common prefix shorter than this (and than the pool's
                                // tokens) is a "mismatch", not a share of a few tokens (--pool-auto-min-tokens)
     bool    salt_differs = false; // the pool's cells were computed under another cache_salt (or salts are mixed)
+    int32_t pool_exact   = polykv_provenance::ALL; // the pool's cells [0, pool_exact) are exact (0078: not shifted)
 
     const server_tokens * tokens      = nullptr; // the task's prompt
     const server_tokens * pool_tokens = nullptr; // the pool slot's cached tokens; nullptr: no such slot
@@ -73,38 +77,19 @@ struct polykv_share_decision {
     int32_t n_share = 0;                  // > 0: share the pool's cells [0, n_share); status is set by the share
 };
 
-// What computed a slot's cached cells: the cache_salt and LoRA set of the tasks that wrote them (patch 0074).
-// Updated when a task's prompt starts on the slot (polykv_origin_update); sharers compare with it.
-struct polykv_cells_origin {
-    std::string salt;    // "" = unsalted
-    bool salt_ok = true; // false: cells computed under different salts (a non-reserved slot that reused its cache)
-    std::vector<common_adapter_lora_info> lora;
-    bool lora_ok = true; // false: cells computed under different LoRA sets or scales
-};
-
-// A task's prompt starts on a slot whose cache matched n_past tokens. For a reserved pool (is_pool), and for every
-// slot with --share-any (isolation as in vLLM), whose cells were computed under another salt or LoRA set, n_past
-// becomes 0 (the slot recomputes its prompt under the new one); for another slot the origin is marked mixed instead
-// (upstream's own cache reuse is left alone). Then the origin is the task's salt and LoRA set.
-void polykv_origin_update(polykv_cells_origin & origin, bool is_pool, const std::string & salt,
-                          const std::vector<common_adapter_lora_info> & lora, int id_slot, int & n_past);
-
-// The slot's cells came from upstream's host prompt cache (--cache-ram), which does not record the salt or LoRA
-// set that computed them: mark both unknown, so no share is taken from them until the slot recomputes from 0.
-void polykv_origin_forget(polykv_cells_origin & origin);
-
 // --pool-auto: a reserved pool a request may share from automatically
 struct polykv_pool_candidate {
     int                         id     = -1;
     const server_tokens *       tokens = nullptr;
-    const polykv_cells_origin * origin = nullptr;
+    const polykv_provenance *   prov   = nullptr;
     bool                        busy   = false;
 };
 
-// The candidate with the longest common prefix with the prompt among those whose salt equals the request's
-// (ties: an idle pool, then the lowest id), if that prefix (capped at n_prompt - 1) is at least min_tokens; else -1.
+// The candidate with the longest exact common prefix with the prompt among those computed under the request's salt
+// and LoRA set (ties: an idle pool, then the lowest id), if that prefix (capped at n_prompt - 1) is at least
+// min_tokens; else -1.
 int polykv_auto_pool(const std::vector<polykv_pool_candidate> & pools, const server_tokens & tokens,
-                     const std::string & salt, int32_t min_tokens);
+                     const std::string & salt, const std::vector<common_adapter_lora_info> & lora, int32_t min_tokens);
 
 // --share-any (patch 0077): what the scheduler knows about one slot, gathered by server_context (its slots are
 // private to server-context.cpp)
@@ -112,7 +97,7 @@ struct polykv_slot_view {
     int                         id          = -1;
     const server_tokens *       cached      = nullptr; // the tokens whose cells the slot holds (prompt.tokens)
     const server_tokens *       task_tokens = nullptr; // the running task's prompt, nullptr when idle
-    const polykv_cells_origin * origin      = nullptr;
+    const polykv_provenance *   prov        = nullptr; // what computed the cached cells (0078)
     bool                        busy        = false;   // running a task
     bool                        prefilling  = false;   // computing its prompt (PROCESSING_PROMPT or DONE_PROMPT: its last
                                                        // batch is not decoded yet)
@@ -126,8 +111,9 @@ struct polykv_slot_view {
 // The task keeps what it takes from the slot (common prefix) and destroys the rest of its cache, which other
 // tasks may still want (an agent's own history): so the slot that loses the fewest cached tokens wins (an empty
 // slot or one the prompt extends loses none), then the longest common prefix, then the least recently used. A slot
-// that holds fewer than min_tokens of the prompt, or cells of another salt or LoRA set (never reused, see
-// polykv_origin_update), loses all it holds: such slots come last and rank by last use (upstream's LRU).
+// that holds fewer than min_tokens of the prompt's exact cells, or cells of another salt or LoRA set (never reused,
+// see polykv_prov_start), loses all it holds: such slots come last and rank by last use (upstream's LRU). lora is
+// the set the task will run with (the server's own adapters when the request names none).
 int polykv_pick_slot(const std::vector<polykv_slot_view> & slots, const server_tokens & tokens, const std::string & salt,
                      const std::vector<common_adapter_lora_info> & lora, int32_t min_tokens);
 
@@ -137,13 +123,10 @@ struct polykv_any_source {
     int32_t n  = 0;  // its cells [0, n) are computed and hold the prompt's first n tokens
 };
 
-// May cells computed under this origin be shared into a task of this salt and LoRA set?
-bool polykv_origin_matches(const polykv_cells_origin & origin, const std::string & salt,
-                           const std::vector<common_adapter_lora_info> & lora);
-
 // --share-any: among the other slots whose cells were computed under this salt and LoRA set (busy or idle, reserved
-// or not), the one holding the longest computed prefix of the prompt (capped at n_prompt - 1, checked against the
-// sequence's positions, so cells a prefilling slot has not computed yet are never counted), if >= min_tokens.
+// or not), the one holding the longest computed, exact prefix of the prompt (capped at n_prompt - 1 and at the
+// slot's exact length, checked against the sequence's positions, so cells a prefilling slot has not computed yet are
+// never counted), if >= min_tokens.
 polykv_any_source polykv_share_any_source(const std::vector<polykv_slot_view> & others, const server_tokens & tokens,
                                           const std::string & salt, const std::vector<common_adapter_lora_info> & lora,
                                           int32_t min_tokens, llama_context * ctx);
@@ -151,9 +134,9 @@ polykv_any_source polykv_share_any_source(const std::vector<polykv_slot_view> & 
 // --share-any promotion: the reserved pool a prefix of n tokens just shared from an unreserved slot should be copied
 // into, so that it outlives that slot (never purged, cleared or picked for a task): an idle pool that holds nothing,
 // else the least recently used idle pool holding an earlier promoted prefix (pools a client primed or restored are
-// never taken); -1 if a reserved pool of this origin already holds the n tokens, or none is free.
+// never taken); -1 if a reserved pool of this provenance already holds the n tokens, or none is free.
 int polykv_promote_target(const std::vector<polykv_slot_view> & slots, const server_tokens & tokens, int32_t n,
-                          const polykv_cells_origin & origin);
+                          const polykv_provenance & prov);
 
 // Replaces sequence dst's cells by src's cells [0, n) (seq_cp: with unified KV no data is copied) and checks dst then
 // holds exactly positions [0, n); false (logged, dst left empty) otherwise.
@@ -167,7 +150,9 @@ bool polykv_share_any_init(common_params & params_base, const char * unsupported
 // (prefilling) a longer common prefix of its prompt? Yes if that slot's prompt shares at least min_tokens more
 // tokens with this one than the task can get now (own cache n_past, or the best computed source n_now): it then
 // stays in SLOT_STATE_STARTED and shares once those cells are computed. A waiting slot is never a leader (it is not
-// prefilling), so waits cannot form a cycle; if the leader ends early, the next pass shares what it computed.
+// prefilling), so waits cannot form a cycle; if the leader ends early, the next pass shares what it computed. Only
+// leaders of the task's salt and LoRA set count (another tenant's prefill is never waited for), and only their exact
+// cells; the caller ends a wait after --share-any-max-wait ms (0078).
 bool polykv_share_any_wait(const std::vector<polykv_slot_view> & others, const server_tokens & tokens,
                            const std::string & salt, const std::vector<common_adapter_lora_info> & lora,
                            int32_t min_tokens, int32_t n_now);

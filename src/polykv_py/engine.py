@@ -196,8 +196,12 @@ class SharedPrefixEngine:
         """Make sequence 0 hold ``tokens``; returns True if it already did (nothing decoded)."""
         toks = self.model.vocab.check_tokens(tokens)
         mem = self.ctx.memory
-        if self._prefix == toks and mem.seq_pos_range(PREFIX_SEQ) == (0, len(toks) - 1):
-            return True  # (the position check catches a prefix sequence edited behind the engine's back)
+        if (
+            self._prefix == toks
+            and mem.seq_pos_range(PREFIX_SEQ) == (0, len(toks) - 1)
+            and mem.exact_len(PREFIX_SEQ) >= len(toks)
+        ):
+            return True  # (the checks catch a prefix sequence edited, shifted or loaded behind the engine's back)
         for s in range(self.ctx.n_seq_max):
             mem.seq_rm(s)
         self._prefix = None

@@ -20,8 +20,8 @@ StopReason = Literal["eos", "length", "stop"]
 
 #: Share statuses after which the agent's prefix KV was not recomputed.
 REUSED_STATUSES = frozenset({"hit", "copied", "own_cache", "self"})
-#: Share statuses that mean the pool no longer holds the base: re-prime.
-REPRIME_STATUSES = frozenset({"not_resident", "mismatch"})
+#: Share statuses that mean the pool no longer holds the base (or holds it shifted, not exact): re-prime.
+REPRIME_STATUSES = frozenset({"not_resident", "mismatch", "inexact"})
 #: Status recorded for an agent that was sent without sharing fields.
 NOT_SHARED = "not_shared"
 #: Status recorded for an agent whose request failed.

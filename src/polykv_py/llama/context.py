@@ -196,6 +196,7 @@ class Context(OwnedPointer):
             f"llama_state_seq_set_data(seq {seq_id}) (not a state, another KV stream layout or tensor shape, "
             "or not enough free KV cells)"
         )
+        self.memory.mark_inexact(seq_id, 0)  # bytes of unknown origin (load_prefix verifies its own)
         return check_nonzero(n, what, StateError)
 
     def save_seq_file(self, path: str | os.PathLike[str], seq_id: int, tokens: Sequence[int]) -> int:
@@ -218,14 +219,22 @@ class Context(OwnedPointer):
         toks = ffi.new("llama_token[]", cap)
         self.memory.seq_rm(seq_id)
         n = int(lib.llama_state_seq_load_file(self.ptr, p, seq_id, toks, cap, count))
+        self.memory.mark_inexact(seq_id, 0)  # nobody recorded what computed a state file's cells
         check_nonzero(n, f"llama_state_seq_load_file({os.fsdecode(p)})", StateError)
         return list(ffi.unpack(toks, int(count[0])))
 
     def save_prefix(self, path: str | os.PathLike[str], seq_id: int, tokens: Sequence[int]) -> Path:
-        """Save ``seq_id``, which must hold exactly ``tokens`` at positions 0..n-1, as a verified prefix file."""
+        """Save ``seq_id``, which must hold exactly ``tokens`` at positions 0..n-1, as a verified prefix file.
+
+        Its cells must be exact (:meth:`Memory.exact_len`): a restore trusts them as computed from the tokens."""
         toks = self.model.vocab.check_tokens(tokens)
         if not toks:
             raise StateError("cannot save an empty prefix")
+        if self.memory.exact_len(seq_id) < len(toks):
+            raise StateError(
+                f"sequence {seq_id}'s cells from position {self.memory.exact_len(seq_id)} on were shifted, copied "
+                "from another left context or loaded from raw state: not exact, not saved as a prefix"
+            )
         lo, hi = self.memory.seq_pos_range(seq_id)
         if (lo, hi) != (0, len(toks) - 1):
             raise StateError(
@@ -258,6 +267,7 @@ class Context(OwnedPointer):
         if (lo, hi) != (0, len(tokens) - 1):
             self.memory.seq_rm(seq_id)
             raise StateError(f"{path}: loaded sequence holds positions [{lo}, {hi}], expected [0, {len(tokens) - 1}]")
+        self.memory.mark_exact(seq_id)  # authenticated, and saved from exact cells only
         return tokens
 
     def __repr__(self) -> str:

@@ -4,6 +4,14 @@ libllama aborts the process (``GGML_ASSERT``) on a sequence id outside the conte
 range and, without unified KV, on a partial-range ``seq_cp`` between sequences (each
 sequence has its own stream then). Every such case is refused here with a
 :class:`~polykv_py.errors.SequenceError` instead.
+
+It also keeps each sequence's *exactness* (the in-process side of the server's provenance,
+``native/server/server-polykv-provenance.h``): cells are exact while each was computed from the
+sequence's own tokens at its own position. A shift (``seq_add``) makes the cells from the first
+moved position on inexact, and so does removing a middle range or copying a range that does not
+start at 0; a raw state load makes the whole sequence unknown. Removing everything from that
+position on makes the sequence exact again. :meth:`Memory.exact_len` reads it; the engine shares
+and saves only exact cells.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ class Memory:
     def __init__(self, ctx: Context) -> None:
         self._ctx = ctx
         self._pending: set[int] = set()
+        self._inexact_from: dict[int, int] = {}  # seq -> first position whose cell is not exact (absent: all exact)
 
     @property
     def _mem(self) -> Any:
@@ -76,12 +85,16 @@ class Memory:
         """Remove every cell of every sequence (``data`` also zeroes the buffers)."""
         lib.llama_memory_clear(self._mem, bool(data))
         self._pending.clear()
+        self._inexact_from.clear()
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> None:
         """Remove ``seq_id``'s tokens with positions in ``[p0, p1)``; ``seq_id=-1`` means every sequence."""
         self.check_seq(seq_id, allow_all=True)
         p0, p1 = self._range(p0, p1)
         check_seq_rm(bool(lib.llama_memory_seq_rm(self._mem, seq_id, p0, p1)), seq_id, p0, p1)
+        seqs = [seq_id] if seq_id != -1 else range(self._ctx.n_seq_max) if p1 >= 0 else list(self._inexact_from)
+        for seq in seqs:
+            self._after_rm(seq, max(p0, 0), p1)
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         """Make ``dst`` share ``src``'s cells with positions in ``[p0, p1)``.
@@ -104,12 +117,18 @@ class Memory:
                     "would abort the process); use p0=-1, p1=-1, or a context with kv_unified=True"
                 )
             self._pending.add(dst)
+            self._inexact_from.pop(dst, None)  # a whole-stream copy replaces what dst held
         lib.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
+        # dst's cells are as exact as src's; copied from p0 > 0 on, they were computed over src's cells below p0,
+        # which dst may not hold
+        self.mark_inexact(dst, self.exact_len(src) if p0 <= 0 else min(self.exact_len(src), p0))
 
     def seq_keep(self, seq_id: int) -> None:
         """Remove every cell that does not belong to ``seq_id``."""
         self.check_seq(seq_id)
         lib.llama_memory_seq_keep(self._mem, seq_id)
+        kept = self._inexact_from.get(seq_id)
+        self._inexact_from = {} if kept is None else {seq_id: kept}
 
     def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
         """Shift positions of ``seq_id`` in ``[p0, p1)`` by ``delta`` (RoPE shift at next decode)."""
@@ -119,6 +138,8 @@ class Memory:
         if not self.can_shift:
             raise SequenceError("this model's memory does not support position shifts (seq_add)")
         lib.llama_memory_seq_add(self._mem, seq_id, p0, p1, delta)
+        if delta != 0:
+            self.mark_inexact(seq_id, max(0, min(p0, p0 + delta)))
 
     def seq_pos_min(self, seq_id: int) -> int:
         """Smallest position of ``seq_id`` in memory, -1 if it is empty."""
@@ -142,6 +163,34 @@ class Memory:
     @property
     def can_shift(self) -> bool:
         return bool(lib.llama_memory_can_shift(self._mem))
+
+    # -- exactness ------------------------------------------------------------------
+    def exact_len(self, seq_id: int) -> int:
+        """How many leading positions of ``seq_id`` hold exact cells (computed from the sequence's own
+        tokens at their own positions); a large number (2**31 - 1) when nothing was ever moved."""
+        self.check_seq(seq_id)
+        return self._inexact_from.get(seq_id, _POS_MAX)
+
+    def mark_inexact(self, seq_id: int, pos: int) -> None:
+        """Record that ``seq_id``'s cells from ``pos`` on are not exact (0: the whole sequence is unknown)."""
+        self.check_seq(seq_id)
+        if pos < _POS_MAX:
+            self._inexact_from[seq_id] = min(self._inexact_from.get(seq_id, _POS_MAX), max(pos, 0))
+
+    def mark_exact(self, seq_id: int) -> None:
+        """Record that ``seq_id`` holds exact cells only (a verified prefix file was just loaded into it)."""
+        self.check_seq(seq_id)
+        self._inexact_from.pop(seq_id, None)
+
+    def _after_rm(self, seq_id: int, p0: int, p1: int) -> None:
+        if seq_id not in self._inexact_from:
+            if p1 >= 0 and self.seq_pos_max(seq_id) >= p1:
+                self._inexact_from[seq_id] = p0  # a hole: the cells after it were computed over removed ones
+            return
+        if p1 < 0 and p0 <= self._inexact_from[seq_id]:
+            del self._inexact_from[seq_id]  # every inexact cell is gone
+        elif p1 >= 0 and self.seq_pos_max(seq_id) >= p1:
+            self._inexact_from[seq_id] = min(self._inexact_from[seq_id], p0)
 
     # -- pending cross-stream copies ------------------------------------------------
     @property

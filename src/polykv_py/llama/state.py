@@ -57,7 +57,7 @@ def tokens_sha256(tokens: Sequence[int]) -> str:
 def check_pool_dir(directory: str | os.PathLike[str]) -> None:
     """Refuse (``StateError``) a pool directory that is a link, not this user's, or writable by group or others."""
     try:
-        st = os.lstat(directory)
+        st = os.lstat(os.fspath(directory).rstrip("/") or "/")  # lstat("link/") would follow the link
     except OSError as exc:
         raise StateError(f"cannot stat the pool directory {directory}: {exc}") from exc
     if not stat.S_ISDIR(st.st_mode):
@@ -95,16 +95,22 @@ def pool_key(directory: str | os.PathLike[str], *, create: bool = True) -> bytes
                 raise StateError(f"the pool key {path} must be a {KEY_BYTES}-byte file of this user with mode 0600")
             return key
         key = os.urandom(KEY_BYTES)
+        # written whole to a file of its own, then linked into place: link fails if the key exists, so a reader
+        # never sees a half-written key and two processes creating it at once agree on one
+        tmp = path.with_name(f"{KEY_FILE}.new.{os.getpid()}.{os.urandom(4).hex()}")
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(key)
+                f.flush()
+                os.fsync(f.fileno())
+            os.link(tmp, path)
         except FileExistsError:
             continue  # created meanwhile: read that one
         except OSError as exc:
             raise StateError(f"cannot create the pool key {path}: {exc}") from exc
-        with os.fdopen(fd, "wb") as f:
-            f.write(key)
-            f.flush()
-            os.fsync(f.fileno())
+        finally:
+            tmp.unlink(missing_ok=True)
         return key
     raise StateError(f"cannot create the pool key {path}")
 

@@ -15,38 +15,12 @@ import pytest
 
 from polykv_py.client import Client, Share
 from polykv_py.data import sample_document
+from polykv_py.harness.lora import write_adapter
 from polykv_py.harness.texts import cut_to_tokens
 from polykv_py.llama_server import LlamaServer
 from polykv_py.presets import pool_server
 
 pytestmark = pytest.mark.integration
-
-N_LAYER, N_EMBD, KV_DIM, RANK = 30, 576, 192, 4  # SmolLM2-135M: 3 KV heads of 64
-
-
-def write_adapter(path: Path) -> Path:
-    import gguf
-    import numpy as np
-
-    rng = np.random.default_rng(7)
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_type("adapter")
-    w.add_string("adapter.type", "lora")
-    w.add_float32("adapter.lora.alpha", float(RANK))
-    for layer in range(N_LAYER):
-        for proj in ("attn_k", "attn_v"):
-            # ggml shapes: A is [n_embd, r], B is [r, kv_dim]; numpy's are the reverse
-            w.add_tensor(
-                f"blk.{layer}.{proj}.weight.lora_a", (rng.standard_normal((RANK, N_EMBD)) * 0.05).astype(np.float32)
-            )
-            w.add_tensor(
-                f"blk.{layer}.{proj}.weight.lora_b", (rng.standard_normal((KV_DIM, RANK)) * 0.05).astype(np.float32)
-            )
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import hmac
 import json
 import os
 import struct
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -290,4 +291,86 @@ def test_cells_from_the_host_cache_are_no_share_source(
             res = c.completion(BASE + QUESTION, share=Share(0), id_slot=1, cache_salt="tenant-b", **GREEDY)
         assert res["shared_prefix"]["status"] == "salt_mismatch", res["shared_prefix"]
     finally:
+        s.stop()
+
+
+# ------------------------------------------------------------------------------ the directory and its key, again
+def test_a_symlinked_save_path_is_refused(patched_server_bin: Path, model_path: Path, tmp_path: Path) -> None:
+    """``--slot-save-path link/``: lstat of a path ending in "/" follows the link, so it used to pass (issue 34)."""
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(real)
+    s = start(patched_server_bin, model_path, tmp_path, server_args(tmp_path / "link"), "pool-security-symlink")
+    try:
+        with Client(s.url) as c:
+            c.prime(BASE, POOL)
+            with pytest.raises(HTTPError, match="symbolic link"):
+                c.save_pool(POOL, "x.pkvpool")
+        assert not (real / "x.pkvpool").exists()
+    finally:
+        s.stop()
+
+
+def test_the_directory_and_the_key_are_checked_at_every_save_and_restore(
+    patched_server_bin: Path, model_path: Path, tmp_path: Path
+) -> None:
+    d = tmp_path / "cache"
+    d.mkdir(mode=0o700)
+    s = start(patched_server_bin, model_path, tmp_path, server_args(d), "pool-security-every-save")
+    try:
+        with Client(s.url) as c:
+            c.prime(BASE, POOL)
+            c.save_pool(POOL, "first.pkvpool")
+            d.chmod(0o777)  # opened up after the server started
+            with pytest.raises(HTTPError, match="writable by its group or by others"):
+                c.save_pool(POOL, "second.pkvpool")
+            with pytest.raises(HTTPError, match="writable by its group or by others"):
+                c.restore_pool(POOL, "first.pkvpool")
+            d.chmod(0o700)
+            key = (d / KEY_FILE).read_bytes()
+            (d / KEY_FILE).write_bytes(os.urandom(32))  # replaced under the server
+            with pytest.raises(HTTPError, match="changed since the server started"):
+                c.save_pool(POOL, "second.pkvpool")
+            (d / KEY_FILE).write_bytes(key)
+            c.save_pool(POOL, "second.pkvpool")
+            c.restore_pool(POOL, "second.pkvpool")
+        assert (d / "second.pkvpool").stat().st_size > 0
+    finally:
+        s.stop()
+
+
+def test_the_engine_and_the_server_creating_the_key_at_once_agree_on_one(
+    patched_server_bin: Path, model_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine starts writing the key and stalls before a byte is written; a server starts on the directory
+    meanwhile. Written in place (before issue 34) the server found an empty key and refused every pool file; now
+    the key appears only whole (linked into place), the server creates it, and the engine takes the server's."""
+    d = tmp_path / "cache"
+    d.mkdir(mode=0o700)
+    stall, stalled = threading.Event(), threading.Event()
+    real_fdopen = os.fdopen
+
+    def slow_fdopen(fd: int, *args: Any, **kwargs: Any) -> Any:
+        if KEY_FILE in os.readlink(f"/proc/self/fd/{fd}"):
+            stalled.set()
+            stall.wait(120)
+        return real_fdopen(fd, *args, **kwargs)
+
+    monkeypatch.setattr(os, "fdopen", slow_fdopen)
+    engine: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: engine.setdefault("key", pool_key(d)))
+    t.start()
+    assert stalled.wait(30)
+    s = start(patched_server_bin, model_path, tmp_path, server_args(d), "pool-security-key-race")
+    try:
+        stall.set()
+        t.join(30)
+        monkeypatch.undo()
+        with Client(s.url) as c:
+            c.prime(BASE, POOL)
+            c.save_pool(POOL, "raced.pkvpool")  # the server holds a usable key
+        assert engine["key"] == (d / KEY_FILE).read_bytes()  # and it is the engine's too
+        assert [p.name for p in d.iterdir() if p.name.startswith(KEY_FILE)] == [KEY_FILE]  # no temporary left
+    finally:
+        stall.set()
         s.stop()

@@ -175,3 +175,15 @@ def test_bench_reports_the_attention_arithmetic_and_the_fma_peak() -> None:
         assert r["on_of_peak"] == pytest.approx(r["gflops_on"] / r["fma_peak_gflops"], rel=1e-2)
     else:
         assert r["fma_peak_gflops"] == -1 and r["on_of_peak"] == -1
+
+
+def test_a_switch_flipped_during_computes_never_splits_a_node() -> None:
+    """``--toggle``: another thread flips the switch while one node is computed 400 times on 2 threads. The switch
+    is read once per graph compute (issue 34), so every result is the path's or upstream's, bit for bit; both must
+    occur (the flips really raced the computes)."""
+    exe = NATIVE_DIR / "bin" / "polykv-fattn-check"
+    proc = subprocess.run([str(exe), "--toggle", "400"], capture_output=True, text=True, timeout=300, check=False)
+    r = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else {}
+    log.warning("polykv-fattn-check --toggle 400: %s", r)
+    assert proc.returncode == 0 and r.get("mixed") == 0, (r, proc.stderr[-2000:])
+    assert r["on"] > 0 and r["off"] > 0 and r["on"] + r["off"] == 400

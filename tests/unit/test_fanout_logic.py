@@ -119,7 +119,7 @@ def test_chunk_has_text_and_answer_text() -> None:
 
 
 def test_reprime_statuses() -> None:
-    assert needs_reprime("not_resident") and needs_reprime("mismatch")
+    assert needs_reprime("not_resident") and needs_reprime("mismatch") and needs_reprime("inexact")
     assert not any(needs_reprime(s) for s in ("hit", "own_cache", "pool_busy", "unsupported", "self"))
 
 

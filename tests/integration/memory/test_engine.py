@@ -110,6 +110,23 @@ def test_prefix_is_reused_across_runs(
     assert not third.prefix_reused and third.agents[0].tokens == alone[0]
 
 
+def test_a_shifted_prefix_is_recomputed_not_shared(
+    engine: SharedPrefixEngine, prefix_tokens: list[int], suffix_tokens: list[list[int]], alone: list[list[int]]
+) -> None:
+    """Behind the engine's back, cut 10 cells out of the prefix, shift the rest into place and decode 10 more at the
+    end: the positions are the prefix's again, the cells are not its tokens' (issue 34). The engine recomputes."""
+    engine.reset()
+    engine.run(prefix_tokens, suffix_tokens[:1], GREEDY)
+    mem, n = engine.ctx.memory, len(prefix_tokens)
+    mem.seq_rm(0, 40, 50)
+    mem.seq_add(0, 50, -1, -10)
+    engine.ctx.decode_tokens(prefix_tokens[-10:], seq_id=0, pos0=n - 10, logits_last=False)
+    assert mem.seq_pos_range(0) == (0, n - 1) and mem.exact_len(0) == 40
+    again = engine.run(prefix_tokens, suffix_tokens[:2], GREEDY)
+    assert not again.prefix_reused
+    assert [a.tokens for a in again.agents] == alone[:2]
+
+
 def test_text_inputs_joint_tokenization(engine: SharedPrefixEngine, model: Model) -> None:
     res = engine.run(PREFIX_TEXT, SUFFIXES[:2], GenerationParams(max_tokens=4))
     for a, suffix in zip(res.agents, SUFFIXES[:2], strict=True):

@@ -122,6 +122,33 @@ def test_seq_add_shifts_positions(make_context: MakeCtx, prefix_tokens: list[int
     assert idx is not None and ctx.memory.seq_pos_max(0) == 30
 
 
+def test_exactness_follows_shifts_copies_removals_and_loads(make_context: MakeCtx, prefix_tokens: list[int]) -> None:
+    """The record the engine shares by (issue 34): a shift, a hole or a raw load makes cells inexact, a copy carries
+    the source's record, removing the inexact tail makes a sequence exact again."""
+    ctx = make_context(n_ctx=512, n_seq_max=4)
+    mem, everything = ctx.memory, 2**31 - 1
+    ctx.decode_tokens(prefix_tokens[:40], seq_id=0, logits_last=False)
+    assert mem.exact_len(0) == everything
+    mem.seq_rm(0, 10, 20)  # a hole: the cells after it were computed over removed ones
+    assert mem.exact_len(0) == 10
+    mem.seq_add(0, 20, -1, -10)
+    assert mem.exact_len(0) == 10 and mem.seq_pos_range(0) == (0, 29)
+    mem.seq_cp(0, 1)
+    assert mem.exact_len(1) == 10  # the copy is as inexact as its source
+    mem.seq_cp(0, 2, 5, 8)  # a range not starting at 0: computed over cells seq 2 does not hold
+    assert mem.exact_len(2) == 5
+    mem.seq_rm(1, 10, -1)  # everything from the first inexact cell on: exact again
+    assert mem.exact_len(1) == everything
+    state = ctx.seq_state_bytes(1)
+    ctx.set_seq_state_bytes(state, 3)  # raw bytes of unknown origin
+    assert mem.exact_len(3) == 0
+    with pytest.raises(SequenceError):
+        mem.seq_add(9, 0, 1, 1)  # refused: the record does not change either
+    assert mem.exact_len(0) == 10
+    mem.clear()
+    assert all(mem.exact_len(s) == everything for s in range(4))
+
+
 def test_shared_logits_equal_own_logits(make_context: MakeCtx, prefix_tokens: list[int]) -> None:
     """A sequence sharing the prefix via seq_cp sees the same logits as the owner."""
     ctx = make_context(n_ctx=512, n_seq_max=2)

@@ -138,3 +138,9 @@ def test_save_requires_matching_tokens(model: Model, prefix_tokens: list[int], t
             ctx.save_prefix(tmp_path / "x.pkv", 0, prefix_tokens[:-1])
         with pytest.raises(StateError, match="empty"):
             ctx.save_prefix(tmp_path / "x.pkv", 0, [])
+        ctx.memory.seq_rm(0, 20, 30)
+        ctx.memory.seq_add(0, 30, -1, -10)  # the prefix's positions are [0, n - 11]: shifted cells
+        ctx.decode_tokens(prefix_tokens[-10:], seq_id=0, pos0=len(prefix_tokens) - 10, logits_last=False)
+        with pytest.raises(StateError, match="not exact"):
+            ctx.save_prefix(tmp_path / "x.pkv", 0, prefix_tokens)
+        assert not (tmp_path / "x.pkv").exists()

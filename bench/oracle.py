@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS / "oracle")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="polykv-oracle-") as tmp:
         doc = run(args.seeds, args.rounds, args.trials, Path(tmp))

@@ -50,8 +50,8 @@ def run(seeds: list[int], rounds: int, trials: int, work: Path) -> dict[str, Any
         doc["seeds"].append(report.to_json() | {"summary": report.summary()})
     srv = serve_server(1, agent_slots=3, ctx=8192, threads=2, log_dir=work, name="salt-timing")
     with srv.start():
-        doc["salt_timing"] = measure_salt_timing(srv.url, trials=trials, salt_a="tenant-a-7f3e", salt_b="tenant-b-1d0a")
-        doc["salt_timing"] = doc["salt_timing"].to_json()
+        timing = measure_salt_timing(srv.url, trials=trials, salt_a="tenant-a-7f3e", salt_b="tenant-b-1d0a")
+    doc["salt_timing"] = timing.to_json()
     doc["machine"]["load_avg_end"] = load_avg()
     return doc
 

@@ -67,17 +67,3 @@ void polykv_prov_unknown(polykv_provenance & prov) {
     prov.lora_known = false;
     prov.n_exact    = 0;
 }
-
-std::string polykv_prov_describe(const polykv_provenance & prov) {
-    std::string out;
-    if (!prov.salt_known) {
-        out += "salt unknown";
-    }
-    if (!prov.lora_known) {
-        out += out.empty() ? "LoRA set unknown" : ", LoRA set unknown";
-    }
-    if (prov.n_exact != polykv_provenance::ALL) {
-        out += (out.empty() ? "" : ", ") + std::string("shifted from ") + std::to_string(prov.n_exact);
-    }
-    return out.empty() ? "exact" : out;
-}

@@ -79,6 +79,3 @@ void polykv_prov_shifted(polykv_provenance & prov, int32_t pos);
 
 // Cells whose origin nobody recorded (an upstream slot file): never shared.
 void polykv_prov_unknown(polykv_provenance & prov);
-
-// For logs and /slots: "exact", "shifted from N", "unknown salt", ...
-std::string polykv_prov_describe(const polykv_provenance & prov);

@@ -391,6 +391,14 @@ void polykv_write_metrics(const server_metrics & metrics, std::ostream & prometh
     }
 }
 
+// The leading cells of a sequence holding `held` (provenance prov) a task of this salt and LoRA set with these
+// tokens may take: their common prefix, cut at the sequence's exact length; 0 if the provenance does not match.
+static int32_t shareable_prefix(const polykv_provenance * prov, const server_tokens * held, const server_tokens & tokens,
+                                const std::string & salt, const std::vector<common_adapter_lora_info> & lora) {
+    const int32_t n_exact = prov && held ? polykv_prov_shareable(*prov, salt, lora) : 0;
+    return n_exact > 0 ? std::min<int32_t>((int32_t) held->get_common_prefix(tokens), n_exact) : 0;
+}
+
 int polykv_auto_pool(const std::vector<polykv_pool_candidate> & pools, const server_tokens & tokens,
                      const std::string & salt, const std::vector<common_adapter_lora_info> & lora, int32_t min_tokens) {
     int best = -1;
@@ -398,11 +406,11 @@ int polykv_auto_pool(const std::vector<polykv_pool_candidate> & pools, const ser
     bool best_busy = true;
     const int n_max = (int) tokens.size() - 1;
     for (const auto & p : pools) {
-        const int32_t n_exact = p.tokens && p.prov ? polykv_prov_shareable(*p.prov, salt, lora) : 0;
-        if (n_exact <= 0) {
+        const int32_t n_held = shareable_prefix(p.prov, p.tokens, tokens, salt, lora);
+        if (n_held <= 0) {
             continue;
         }
-        const int n = std::min<int>({ (int) p.tokens->get_common_prefix(tokens), n_max, n_exact });
+        const int n = std::min<int>(n_held, n_max);
         if (n > best_n || (n == best_n && best_busy && !p.busy)) {
             best = p.id;
             best_n = n;
@@ -426,8 +434,7 @@ int polykv_pick_slot(const std::vector<polykv_slot_view> & slots, const server_t
         if (s.busy || s.reserved || s.cached == nullptr) {
             continue;
         }
-        const size_t exact = s.prov != nullptr ? (size_t) polykv_prov_shareable(*s.prov, salt, lora) : 0;
-        size_t       lcp   = std::min(s.cached->get_common_prefix(tokens), exact);
+        size_t       lcp  = (size_t) shareable_prefix(s.prov, s.cached, tokens, salt, lora);
         size_t       loss = s.cached->size() - lcp;
         if (loss > 0 && lcp < (size_t) std::max<int32_t>(min_tokens, 1)) {
             lcp  = 0;
@@ -455,11 +462,7 @@ polykv_any_source polykv_share_any_source(const std::vector<polykv_slot_view> & 
     }
     auto * mem = llama_get_memory(ctx);
     for (const auto & s : others) {
-        const int32_t n_exact = s.cached && s.prov ? polykv_prov_shareable(*s.prov, salt, lora) : 0;
-        if (n_exact <= 0) {
-            continue;
-        }
-        int32_t n = std::min<int32_t>({ (int32_t) s.cached->get_common_prefix(tokens), n_max, n_exact });
+        int32_t n = std::min<int32_t>(shareable_prefix(s.prov, s.cached, tokens, salt, lora), n_max);
         if (n < std::max<int32_t>(min_tokens, 1) || n <= best.n) {
             continue;
         }
@@ -486,8 +489,7 @@ int polykv_promote_target(const std::vector<polykv_slot_view> & slots, const ser
             continue;
         }
         const bool empty = s.cached == nullptr || s.cached->size() == 0;
-        if (!empty && s.prov != nullptr && prov.salt_known && prov.lora_known &&
-            std::min<int32_t>((int32_t) s.cached->get_common_prefix(tokens), polykv_prov_shareable(*s.prov, prov.salt, prov.lora)) >= n) {
+        if (!empty && prov.salt_known && prov.lora_known && shareable_prefix(s.prov, s.cached, tokens, prov.salt, prov.lora) >= n) {
             return -1; // already held by a pool
         }
         if (s.busy || (!empty && !s.promoted)) {
@@ -549,11 +551,10 @@ bool polykv_share_any_wait(const std::vector<polykv_slot_view> & others, const s
     for (const auto & s : others) {
         // a leader of another salt or LoRA set is never waited for (its cells could not be shared anyway, and the
         // wait would tell this request that another tenant is computing the same prefix)
-        const int32_t n_exact = s.prefilling && s.task_tokens && s.prov ? polykv_prov_shareable(*s.prov, salt, lora) : 0;
-        if (n_exact <= 0) {
+        if (!s.prefilling) {
             continue;
         }
-        const int32_t n = std::min<int32_t>({ (int32_t) s.task_tokens->get_common_prefix(tokens), n_max, n_exact });
+        const int32_t n = std::min<int32_t>(shareable_prefix(s.prov, s.task_tokens, tokens, salt, lora), n_max);
         if (n >= min_tokens && n > n_now) {
             return true;
         }

@@ -52,6 +52,7 @@ from polykv_py.presets import (
     slot_actions_args,
     slots_args,
 )
+from polykv_py.tokens import common_prefix_len
 
 pytestmark = pytest.mark.integration
 
@@ -105,11 +106,7 @@ def n_tokens(c: Client, text: str) -> int:
 
 def n_common(c: Client, a: str, b: str) -> int:
     """Tokens two prompts have in common (their tokenizations: a text's last token may merge with the next)."""
-    ta, tb = c.prompt_tokens(a), c.prompt_tokens(b)
-    n = 0
-    while n < min(len(ta), len(tb)) and ta[n] == tb[n]:
-        n += 1
-    return n
+    return common_prefix_len(c.prompt_tokens(a), c.prompt_tokens(b))
 
 
 def cached(res: dict[str, Any]) -> int:

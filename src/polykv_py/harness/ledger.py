@@ -30,6 +30,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from ..tokens import common_prefix_len
+
 #: Exact up to any length.
 ALL = 2**31 - 1
 
@@ -158,9 +160,7 @@ class Ledger:
             if s in self.pools:
                 continue
             for h in [*self.resident.get(s, []), *self.created.get(s, [])]:
-                n = 0
-                while n < min(len(h.tokens), len(tokens)) and h.tokens[n] == tokens[n]:
-                    n += 1
+                n = common_prefix_len(h.tokens, tokens)
                 if n >= min_tokens:
                     self.promoted.append(h.truncated(n))
 

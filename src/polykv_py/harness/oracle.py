@@ -38,6 +38,7 @@ from ..client import Client
 from ..data import sample_document
 from ..data.questions import QUESTIONS
 from ..errors import PolykvError
+from ..tokens import common_prefix_len
 from .compare import compare_greedy
 from .ledger import ALL, Finding, Holder, Ledger, PoolView, TenantKey
 
@@ -327,7 +328,7 @@ class _Runner:
             if op.kind == "reuse":
                 first = self._call(op, op.first)
                 moved = self._call(op, op.prompt, n_cache_reuse=8)
-                n_common = _common(self.toks(op.first), self.toks(op.prompt))
+                n_common = common_prefix_len(self.toks(op.first), self.toks(op.prompt))
                 if moved.results[0]["timings"]["prompt_n"] < len(self.toks(op.prompt)) - n_common:
                     moved.exact = n_common  # the chunk after the common prefix was moved into place
                 calls = [first, moved]
@@ -468,13 +469,6 @@ class _Runner:
             self.c.erase_slot(pool)
             self.c.restore_pool(pool, name, cache_salt=salt)
             return
-
-
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def run_oracle(url: str, reference_url: str, *, seed: int, rounds: int, agent_slots: Sequence[int],

@@ -37,11 +37,14 @@ from polykv_py.cluster import Cluster, ClusterConfig
 from polykv_py.data import sample_document
 from polykv_py.errors import ServerError
 from polykv_py.gateway import ROUTED_WORKER_HEADER, GatewayOptions
+from polykv_py.harness.answers import SHARE_FIELDS, VOLATILE_FIELDS, compare
 from polykv_py.harness.compare import compare_chat
 from polykv_py.harness.texts import repeat_to_tokens
+from polykv_py.llama.state import tokens_sha256
 from polykv_py.llama_server import LlamaServer
 from polykv_py.pools import PoolCache
 from polykv_py.presets import NO_HOST_CACHE, SHARE_ANY, reference_server, serve_server, slots_args
+from polykv_py.tokens import common_prefix_len
 
 pytestmark = pytest.mark.integration
 
@@ -193,6 +196,57 @@ def test_a_shared_prefix_is_promoted_to_the_pool_and_outlives_the_agents(srv: Ll
         late["usage"],
         late.get("shared_prefix"),
     )
+
+
+EXACT: dict[str, Any] = {"temperature": 0, "n_predict": 16, "n_probs": 5, "cache_prompt": True}
+
+
+def test_a_promoted_pool_answers_like_the_reference_byte_for_byte(logs: Path) -> None:
+    """A request served from a promoted pool, byte for byte against the reference in the same cell layout.
+
+    Fresh servers, ``--shared-decode`` off (its kernel is not upstream's bit for bit, docs/shared-decode.md).
+    Patched: A on slot 1 computes the prefix at cells [0, P); B on slot 2 shares it (``auto: any``) and the
+    server promotes it into the reserved pool 0 (the same cells, one more sequence id); slots 1 and 2 are
+    erased, so only the pool's cells [0, P) are left, and C (unpinned) shares them (``auto: pool``) with its
+    own cells from P on. Reference: A on C's slot, then C on that slot reuses the same P cells, its own from P
+    on. A, B and C differ from their first token after P on, so both servers reuse exactly P tokens.
+    """
+    n_slots = 3
+    patched = serve_server(0, agent_slots=n_slots - 1, ctx=4096, threads=2, extra_args=BATCH, log_dir=logs,
+                           name="share-any-exact", shared_decode=False, slot_actions=True)  # fmt: skip
+    with patched.start(), Client(patched.url) as c:
+        base = repeat_to_tokens(sample_document(), SYSTEM_TOKENS, c.tokenize, c.detokenize)
+        prompts = [base + q for q in ("\nQuestion A: what is first?\nAnswer:", "\nBy the way B, which is second?",
+                                      "\nCould C name the third?\nAnswer:")]  # fmt: skip
+        a_tok, b_tok, c_tok = (c.prompt_tokens(p) for p in prompts)
+        p = common_prefix_len(a_tok, b_tok)
+        assert p >= SYSTEM_TOKENS and common_prefix_len(a_tok, c_tok) == p == common_prefix_len(b_tok, c_tok)
+        c.completion(prompts[0], id_slot=1, **EXACT)
+        b = c.completion(prompts[1], id_slot=2, **EXACT)
+        assert b["shared_prefix"] == {"pool_slot": 1, "requested": None, "shared": p, "status": "hit", "auto": "any"}
+        (pool,) = c.pools()
+        assert pool.slot == 0 and pool.promoted and pool.resident and pool.n_tokens == p, pool
+        assert pool.tokens_sha256 == tokens_sha256(a_tok[:p])
+        c.erase_slot(1)
+        c.erase_slot(2)
+        before = c.metrics()
+        mine = c.completion(prompts[2], **EXACT)
+        after = c.metrics()
+        (pool_after,) = c.pools()
+    assert mine["shared_prefix"] == {"pool_slot": 0, "requested": None, "shared": p, "status": "hit", "auto": "pool"}
+    assert (mine["timings"]["cache_n"], mine["timings"]["prompt_n"]) == (p, len(c_tok) - p), mine["timings"]
+    assert after["llamacpp:prompt_tokens_total"] - before["llamacpp:prompt_tokens_total"] == len(c_tok) - p
+    assert after["llamacpp:polykv_share_promoted_total"] == 1 and pool_after.hits == pool.hits + 1
+    assert after["llamacpp:polykv_share_hits_total"] == before["llamacpp:polykv_share_hits_total"] + 1
+
+    slot = mine["id_slot"]
+    with reference_server(n_slots=n_slots, ctx=4096, threads=2, extra_args=BATCH, log_dir=logs,
+                          name="share-any-exact-reference").start() as ref, Client(ref.url) as rc:  # fmt: skip
+        rc.completion(prompts[0], id_slot=slot, **EXACT)
+        theirs = rc.completion(prompts[2], id_slot=slot, **EXACT)
+    assert theirs["timings"]["cache_n"] == p, "the reference reuses the same P cells"
+    same, where = compare(mine, theirs, strip_a=(*VOLATILE_FIELDS, *SHARE_FIELDS))
+    assert same, f"the promoted pool's answer differs from the reference's at {where}"
 
 
 def test_salts_share_only_with_themselves(srv: LlamaServer, system: str) -> None:

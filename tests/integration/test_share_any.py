@@ -21,6 +21,7 @@ server gets the same slots, cells and batch size.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -105,6 +106,12 @@ def computed(server: LlamaServer) -> float:
 def counter(server: LlamaServer, name: str) -> float:
     with Client(server.url) as c:
         return c.metrics().get(f"llamacpp:{name}", 0.0)
+
+
+def busy_agents(server: LlamaServer) -> int:
+    """Agent slots (not reserved pools) with a task."""
+    with Client(server.url) as c:
+        return sum(bool(s["is_processing"]) and not s.get("polykv_pool") for s in c.slots())
 
 
 def common_prefix(server: LlamaServer, a: list[dict[str, str]], b: list[dict[str, str]]) -> int:
@@ -201,6 +208,11 @@ def test_a_shared_prefix_is_promoted_to_the_pool_and_outlives_the_agents(srv: Ll
 EXACT: dict[str, Any] = {"temperature": 0, "n_predict": 16, "n_probs": 5, "cache_prompt": True}
 
 
+def hit(pool_slot: int, shared: int, auto: str) -> dict[str, Any]:
+    """The ``shared_prefix`` of a request that shared ``shared`` tokens of ``pool_slot`` by itself."""
+    return {"pool_slot": pool_slot, "requested": None, "shared": shared, "status": "hit", "auto": auto}
+
+
 def test_a_promoted_pool_answers_like_the_reference_byte_for_byte(logs: Path) -> None:
     """A request served from a promoted pool, byte for byte against the reference in the same cell layout.
 
@@ -223,7 +235,7 @@ def test_a_promoted_pool_answers_like_the_reference_byte_for_byte(logs: Path) ->
         assert p >= SYSTEM_TOKENS and common_prefix_len(a_tok, c_tok) == p == common_prefix_len(b_tok, c_tok)
         c.completion(prompts[0], id_slot=1, **EXACT)
         b = c.completion(prompts[1], id_slot=2, **EXACT)
-        assert b.get("shared_prefix") == {"pool_slot": 1, "requested": None, "shared": p, "status": "hit", "auto": "any"}
+        assert b.get("shared_prefix") == hit(1, p, "any")
         (pool,) = c.pools()
         assert pool.slot == 0 and pool.promoted and pool.resident and pool.n_tokens == p, pool
         assert pool.tokens_sha256 == tokens_sha256(a_tok[:p])
@@ -233,7 +245,7 @@ def test_a_promoted_pool_answers_like_the_reference_byte_for_byte(logs: Path) ->
         mine = c.completion(prompts[2], **EXACT)
         after = c.metrics()
         (pool_after,) = c.pools()
-    assert mine.get("shared_prefix") == {"pool_slot": 0, "requested": None, "shared": p, "status": "hit", "auto": "pool"}
+    assert mine.get("shared_prefix") == hit(0, p, "pool")
     assert (mine["timings"]["cache_n"], mine["timings"]["prompt_n"]) == (p, len(c_tok) - p), mine["timings"]
     assert after["llamacpp:prompt_tokens_total"] - before["llamacpp:prompt_tokens_total"] == len(c_tok) - p
     assert after["llamacpp:polykv_share_promoted_total"] == 1 and pool_after.hits == pool.hits + 1
@@ -269,27 +281,78 @@ def test_salts_share_only_with_themselves(srv: LlamaServer, system: str) -> None
 
 
 def test_cancelled_leader_waiters_still_answer(srv: LlamaServer, ref: LlamaServer, system: str) -> None:
-    """The request computing the common prefix disconnects half-way; the waiting ones share what it computed,
-    one of them computes the rest, and all answer as the reference does."""
+    """The request computing the common prefix disconnects half-way through its prefill; the waiting ones share
+    what it computed, compute the rest, and all answer as the reference does.
+
+    The leader streams with ``return_progress`` (a chunk after each prefill pass), the followers are sent once
+    it has computed a pass, and it hangs up once ``/slots`` shows every follower holding a slot, while its last
+    progress chunk says the prompt is not done. (Each pass's batch is full of the leader's tokens, so the
+    server looks at the followers, and counts them waiting, only when a pass has room.) That it was
+    cancelled mid-prefill is read back from the server: the prompt tokens it computed (``/metrics``, less the
+    followers' own) stop short of the common prefix, and a follower shared exactly those cells.
+    """
     base = system.replace("Lanternfish", "Cancelled Lanternfish") + "\n\n" + system  # ~1,200 tokens: ~10 passes
     leader_msgs = conversation(base, 0, "Leader")
-    body = {"model": "m", "messages": leader_msgs, "stream": True, "max_tokens": MAX_TOKENS, "temperature": 0}
-    started = threading.Event()
+    followers = [conversation(base, i, "Follower") for i in range(1, AGENTS)]
+    n_common = common_prefix(srv, leader_msgs, followers[0])
+    body = {"model": "m", "messages": leader_msgs, "stream": True, "return_progress": True,
+            "max_tokens": MAX_TOKENS, "temperature": 0}  # fmt: skip
+    progress: list[dict[str, int]] = []  # the leader's prompt_progress chunks, in order
+    tokens: list[dict[str, Any]] = []  # any chunk after the prefill (there must be none)
+    computing, hang_up = threading.Event(), threading.Event()
 
     def leader() -> None:
         with httpx.Client(timeout=600) as h, h.stream("POST", srv.url + "/v1/chat/completions", json=body) as r:
-            started.set()
-            time.sleep(1.0)  # a few prefill passes, then hang up
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line.removeprefix("data: "))
+                if "prompt_progress" not in chunk:
+                    tokens.append(chunk)
+                    break
+                progress.append(chunk["prompt_progress"])
+                if progress[-1]["processed"] > progress[-1]["cache"]:
+                    computing.set()  # one prefill pass done
+                if hang_up.is_set():
+                    break
             r.close()
 
-    waits = counter(srv, "polykv_share_waits_total")
+    waits, before = counter(srv, "polykv_share_waits_total"), computed(srv)
     t = threading.Thread(target=leader)
     t.start()
-    assert started.wait(60)
-    followers = [conversation(base, i, "Follower") for i in range(1, AGENTS)]
-    ours = ask_all(srv, followers)
-    t.join(60)
-    assert counter(srv, "polykv_share_waits_total") > waits, "the followers should have waited for the leader"
+    try:
+        assert computing.wait(120), f"the leader's prefill never reported a pass: {progress}"
+        with ThreadPoolExecutor(len(followers)) as ex:
+            pending = [ex.submit(ask, srv, m) for m in followers]
+            deadline = time.monotonic() + 120
+            while (busy := busy_agents(srv)) < AGENTS and time.monotonic() < deadline:
+                time.sleep(0.05)
+            hang_up.set()
+            t.join(120)
+            ours = [f.result() for f in pending]
+    finally:
+        hang_up.set()
+        t.join(120)
+    assert busy == AGENTS, f"only {busy} agent slots were busy when the leader hung up"
+    assert not tokens, f"the leader's prefill finished before it hung up: {tokens[0]}"
+    last = progress[-1]
+    assert last["processed"] < last["total"], f"the leader hung up after its prefill: {progress}"
+
+    # what the server computed: the followers' own tokens, and the leader's up to the cancel
+    spent = computed(srv) - before
+    leader_cells = progress[0]["cache"] + spent - sum(a["usage"]["prompt_tokens"] - cached(a) for a in ours)
+    assert last["processed"] <= leader_cells < n_common, (
+        f"cancelled mid-prefill: the leader's slot holds {leader_cells} cells (it reported {last['processed']}), "
+        f"the common prefix is {n_common} tokens"
+    )
+    # one follower took what the leader had computed (and computed the rest), the others at most the common prefix
+    shares = sorted((a["shared_prefix"]["shared"], a["shared_prefix"]["status"], cached(a)) for a in ours)
+    assert shares[0] == (leader_cells, "hit", leader_cells), (shares, leader_cells)
+    assert all(status == "hit" and c == n and n <= n_common for n, status, c in shares), (shares, n_common)
+    # the others waited for the first one computing the rest (and then, today, shared only the leader's part from
+    # the pool it was promoted into: --pool-auto is tried before the longer prefix that follower's slot holds)
+    assert counter(srv, "polykv_share_waits_total") > waits
+    assert any(a["shared_prefix"].get("waited") for a in ours), [a["shared_prefix"] for a in ours]
     assert srv.health_state() == "ok"
     assert_same_answers(ours, ask_all(ref, followers))
 

@@ -18,9 +18,11 @@ The real launcher runs in its own process (the official ``openai`` package talks
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -47,33 +49,75 @@ SERVER_FLAGS = ("-c", "4096", "-t", "2", "-b", "256", "-ub", "256")
 SAVE_WAIT_S = 20.0  # the launcher looks at the pools every 2 s
 
 
+#: ``polykv -v serve`` in a process of its own, its log lines stamped with the time they were written
+#: (``-v`` keeps httpx's line per request the launcher sends; the root logger set up here stays at INFO,
+#: so ``-v``'s DEBUG level, set up later only if nothing is yet, does not apply)
+LAUNCHER = (
+    "import logging, sys\n"
+    "logging.basicConfig(level=logging.INFO, format='%(created).6f %(levelname)s %(name)s: %(message)s')\n"
+    "from polykv_py.cli import main\n"
+    "sys.exit(main(sys.argv[1:]))"
+)
+#: httpx's line for a request the launcher sent: its time, method and path.
+REQUEST_LINE = re.compile(r"^(?P<t>\d+\.\d+) INFO httpx: HTTP Request: (?P<method>[A-Z]+) http://[^/]+(?P<path>\S*) ")
+
+
 @contextmanager
 def polykv_serve(model: Path, cache: Path, logs: Path) -> Iterator[tuple[str, list[str]]]:
-    """``polykv serve`` in its own process; yields its URL and the lines it printed up to "ready"."""
+    """``polykv serve`` in its own process; yields its URL and the lines it prints (a thread keeps reading them,
+    so the list grows while the launcher runs)."""
     port = free_port()
-    code = "import sys; from polykv_py.cli import main; sys.exit(main(sys.argv[1:]))"
-    argv = [sys.executable, "-c", code, "serve", "--model", str(model), "--port", str(port),
+    argv = [sys.executable, "-c", LAUNCHER, "-v", "serve", "--model", str(model), "--port", str(port),
             "--pool-cache", str(cache), "--agent-slots", "2", "--auto-pools", "1", "--log-dir", str(logs),
             "--", *SERVER_FLAGS]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
-    try:
+    ready = threading.Event()
+
+    def read() -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.append(line.rstrip("\n"))
             if "polykv serve: ready at" in line:
-                break
-        else:
-            raise AssertionError("polykv serve ended before it was ready:\n" + "\n".join(lines))
+                ready.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        while not ready.wait(0.5):
+            assert proc.poll() is None, "polykv serve ended before it was ready:\n" + "\n".join(lines)
         yield f"http://127.0.0.1:{port}", lines
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
-            out, _ = proc.communicate(timeout=60)
+            proc.wait(timeout=60)
         finally:
             proc.kill()
-        assert proc.returncode == 0, out
+            reader.join(10)
+        assert proc.returncode == 0, "\n".join(lines[-40:])
+
+
+def requests_since(lines: list[str], t0: float) -> list[tuple[float, str, str]]:
+    """The launcher's requests logged after ``t0`` (time.time()): (time, method, path), in order."""
+    found = []
+    for line in list(lines):
+        if (m := REQUEST_LINE.match(line)) and float(m["t"]) > t0:
+            found.append((float(m["t"]), m["method"], m["path"]))
+    return found
+
+
+def wait_for_looks(lines: list[str], t0: float, n: int) -> list[tuple[float, str, str]]:
+    """The launcher's requests after ``t0`` up to its ``n``-th look at the pools (``GET /slots``: a
+    look's only request, :meth:`~polykv_py.promoted.PromotedPoolKeeper.poll`), or all of them after a while."""
+    deadline = time.monotonic() + n * SAVE_WAIT_S
+    while time.monotonic() < deadline:
+        found = requests_since(lines, t0)
+        looks = [i for i, (_, method, path) in enumerate(found) if (method, path) == ("GET", "/slots")]
+        if len(looks) >= n:
+            return found[: looks[n - 1] + 1]
+        time.sleep(0.2)
+    return requests_since(lines, t0)
 
 
 def ask(url: str, system: str, question: str, **extra: Any) -> dict[str, Any]:
@@ -100,7 +144,7 @@ def wait_for_files(cache: Path, n: int) -> list[Path]:
 
 def test_a_promoted_prefix_is_saved_and_restored_at_the_next_start(model_path: Path, tmp_path: Path) -> None:
     cache, logs = tmp_path / "pools", tmp_path / "logs"
-    with polykv_serve(model_path, cache, logs) as (url, _):
+    with polykv_serve(model_path, cache, logs) as (url, lines):
         with Client(url) as c:
             system = repeat_to_tokens(sample_document(), SYSTEM_TOKENS, c.tokenize, c.detokenize)
             n_sys = len(c.prompt_tokens(c.apply_template([{"role": "system", "content": system}])))
@@ -127,7 +171,13 @@ def test_a_promoted_prefix_is_saved_and_restored_at_the_next_start(model_path: P
             assert c.metrics()["llamacpp:polykv_share_promoted_total"] >= 2
             pool = c.pools()[0]
         assert pool.promoted and pool.salted is True and pool.tokens_sha256 is None
-        time.sleep(5)  # two more looks
+        # the launcher looks at the pools (GET /slots) every 2 s, one look at a time: the second look logged after
+        # the salted pool was seen in place was sent after it and saw it, and the third shows that that look
+        # had ended (a save would have been requested in between)
+        seen = time.time()
+        sent = wait_for_looks(lines, seen, 3)
+        assert [r[1:] for r in sent].count(("GET", "/slots")) == 3, f"the launcher did not look 3 times: {sent}"
+        assert all(method == "GET" for _, method, _ in sent), f"the launcher tried to save the salted pool: {sent}"
         assert promoted_files(cache) == files
 
     with polykv_serve(model_path, cache, logs) as (url, lines):

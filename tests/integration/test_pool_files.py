@@ -34,6 +34,7 @@ import pytest
 
 from polykv_py.client import Client, Request, Share
 from polykv_py.errors import HTTPError
+from polykv_py.harness.answers import compare
 from polykv_py.llama.state import KEY_FILE, MAC_BYTES, MAGIC, read_prefix_header, tokens_sha256
 from polykv_py.llama_server import LlamaServer
 from polykv_py.pools import tokens_mac
@@ -43,7 +44,7 @@ pytestmark = pytest.mark.integration
 
 POOL, AGENTS = 0, (1, 2)
 CTX = 4096
-GREEDY: dict[str, Any] = {"temperature": 0, "n_predict": 8, "cache_prompt": True}
+GREEDY: dict[str, Any] = {"temperature": 0, "n_predict": 8, "n_probs": 5, "cache_prompt": True}
 BASE = "\n".join(
     f"Entry {i}: the ledger records {i * 13 % 97} crates of item {i} on pier {i % 7}, checked by clerk {i % 5}."
     for i in range(40)
@@ -102,7 +103,9 @@ def pool(c: Client) -> Any:
 
 @pytest.fixture(scope="module")
 def saved(srv: LlamaServer, save_dir: Path) -> dict[str, Any]:
-    """Prime the pool, record the sharers' answers, save the pool: ``{"tokens", "answers", "file"}``."""
+    """Prime the pool, record the sharers' answers, save the pool: ``{"tokens", "answers", "raw", "file"}``
+    (``raw``: the whole answers). Every test of ``srv`` takes this first, so the pool is primed on the fresh
+    server: its cells are [0, n), the sharers' follow, as on a fresh server that restores the file."""
     with Client(srv.url) as c:
         tokens = c.prompt_tokens(BASE)
         c.erase_slot(POOL)
@@ -112,7 +115,7 @@ def saved(srv: LlamaServer, save_dir: Path) -> dict[str, Any]:
         res = c.save_pool(POOL, "base.pkvpool")
     assert res["n_saved"] == len(tokens) and res["polykv"]["tokens_sha256"] == tokens_sha256(tokens)
     assert res["n_written"] == (save_dir / "base.pkvpool").stat().st_size
-    return {"tokens": tokens, "answers": [a["content"] for a in first], "file": save_dir / "base.pkvpool"}
+    return {"tokens": tokens, "answers": [a["content"] for a in first], "raw": first, "file": save_dir / "base.pkvpool"}
 
 
 def split_file(raw: bytes) -> tuple[dict[str, Any], bytes, bytes]:
@@ -125,6 +128,32 @@ def split_file(raw: bytes) -> tuple[dict[str, Any], bytes, bytes]:
 def file_mac(key: bytes, body: bytes) -> bytes:
     """The trailer the server writes: HMAC-SHA256 of everything before it, keyed with the cache's key."""
     return hmac.new(key, body, hashlib.sha256).digest()
+
+
+def resaved(c: Client, save_dir: Path, name: str) -> bytes:
+    """The pool saved again, as ``name``: its file's bytes."""
+    res = c.save_pool(POOL, name)
+    assert res["n_written"] == (save_dir / name).stat().st_size
+    return (save_dir / name).read_bytes()
+
+
+#: Upstream's slot file (llama_state_seq_save_file): magic "ggsq", version, a count of 32-bit words and the words,
+#: then the sequence's state (llama_state_seq_get_data's bytes after its own magic and sequence id).
+GGSQ_MAGIC, GGSQ_VERSION = 0x67677371, 3
+#: What llama_state_seq_get_data writes first (llama_context's io_magic), then the sequence id.
+STATE_MAGIC = 0xAF143CD8
+
+
+def upstream_slot_file(raw: bytes) -> tuple[list[int], bytes]:
+    """(tokens, sequence state) of a file upstream's ``POST /slots/N?action=save`` wrote. Its words are the
+    slot's tokens as server_tokens::serialize packs them: LLAMA_TOKEN_NULL, the packing's version (1), the
+    token count and the tokens, then the count of media chunks (none here)."""
+    magic, version, n_words = struct.unpack_from("<III", raw)
+    assert (magic, version) == (GGSQ_MAGIC, GGSQ_VERSION), (hex(magic), version)
+    words = list(struct.unpack_from(f"<{n_words}i", raw, 12))
+    null, packing, n = words[:3]
+    assert (null, packing, words[3 + n :]) == (-1, 1, [0]), words[:3] + words[3 + n :]
+    return words[3 : 3 + n], raw[12 + 4 * n_words :]
 
 
 def rewrite(src: Path, dst: Path, *, state: bytes | None = None, sign_with: Path | None = None, **changes: Any) -> None:
@@ -162,7 +191,9 @@ def salt_refused(c: Client, action: str, name: str, **kw: Any) -> None:
 
 
 # ------------------------------------------------------------------------------ restore
-def test_restore_after_restart_is_resident_and_answers_the_same(srv: LlamaServer, saved: dict[str, Any]) -> None:
+def test_restore_after_restart_is_resident_and_answers_the_same(
+    srv: LlamaServer, saved: dict[str, Any], save_dir: Path
+) -> None:
     srv.restart()
     with Client(srv.url) as c:
         assert not pool(c).resident
@@ -172,12 +203,18 @@ def test_restore_after_restart_is_resident_and_answers_the_same(srv: LlamaServer
         assert res["n_restored"] == len(saved["tokens"]) and res["polykv"]["resident"] is True
         st = pool(c)
         assert st.resident and st.n_tokens == len(saved["tokens"]) and st.restored_from == "base.pkvpool"
+        # the restored KV, saved again, is the file byte for byte (header, state and MAC)
+        assert resaved(c, save_dir, "restored.pkvpool") == saved["file"].read_bytes()
         again = answers(c)
         n_prompts = [len(c.prompt_tokens(BASE + q)) for q in QUESTIONS]
     assert [status_of(a) for a in again] == ["hit", "hit"]
     assert [a["timings"]["prompt_n"] for a in again] == [n - len(saved["tokens"]) for n in n_prompts], (
         "a restored pool's tokens were computed again"
     )
+    # a fresh server in both runs: the pool's cells and the sharers' lie alike, so the answers are the same bytes
+    for i, (now, then) in enumerate(zip(again, saved["raw"], strict=True)):
+        same, where = compare(now, then)
+        assert same, f"agent {AGENTS[i]}: the answer over the restored pool differs from the primed one's at {where}"
     assert [a["content"] for a in again] == saved["answers"]
     assert wall < 5.0
 
@@ -243,8 +280,9 @@ def test_bad_files_are_refused_and_change_nothing(srv: LlamaServer, saved: dict[
         with pytest.raises(HTTPError, match="holds other tokens than expected") as err:
             c.save_pool(POOL, "changed.pkvpool", sha256_of_tokens=tokens_sha256(saved["tokens"][:-1]))
         assert err.value.status == 400 and not (save_dir / "changed.pkvpool").exists()
-        # the pool was never touched: still resident, sharers hit with the same answers
+        # the pool was never touched: still resident, its KV the file's byte for byte, sharers hit with the same answers
         assert pool(c).resident and pool(c).restored_from == "base.pkvpool"
+        assert resaved(c, save_dir, "untouched.pkvpool") == raw
         again = answers(c)
     assert [status_of(a) for a in again] == ["hit", "hit"]
     assert [a["content"] for a in again] == saved["answers"]
@@ -443,6 +481,30 @@ def _try(call: Any, errors: list[BaseException]) -> None:
         call()
     except Exception as exc:  # the server is killed under the request
         errors.append(exc)
+
+
+# ------------------------------------------------------------------------------ the reference's KV
+def test_pool_file_holds_the_reference_servers_kv(
+    upstream_server_bin: Path, model_path: Path, saved: dict[str, Any], tmp_path: Path
+) -> None:
+    """The pool file's state is, byte for byte, what the reference server computes for the same tokens: a
+    fresh reference server (same KV flags, no pool) primes slot 0 with the pool's tokens and saves the slot with
+    upstream's own action; its state equals the file's after llama_state_seq_get_data's magic and sequence id
+    (both servers put the prefix in cells [0, n) of an empty cache, with the same batches)."""
+    ref_dir = tmp_path / "reference-slots"
+    ref_dir.mkdir(mode=0o700)
+    args = [UNIFIED_KV, *slots_args(3, CTX), *NO_HOST_CACHE, "--slots", "--slot-save-path", f"{ref_dir}/"]
+    with start(upstream_server_bin, model_path, tmp_path, args, "pool-files-reference") as ref, Client(ref.url) as c:
+        c.prime(saved["tokens"], POOL)
+        res = c.post_json(f"/slots/{POOL}?action=save", {"filename": "slot0.bin"})
+    assert res["n_saved"] == len(saved["tokens"])
+    ref_tokens, ref_state = upstream_slot_file((ref_dir / "slot0.bin").read_bytes())
+    header, state, _ = split_file(saved["file"].read_bytes())
+    assert ref_tokens == header["tokens"] == saved["tokens"]
+    assert struct.unpack_from("<Ii", state) == (STATE_MAGIC, POOL)
+    assert len(state) - 8 == len(ref_state), (len(state) - 8, len(ref_state))
+    first = next((i for i, (x, y) in enumerate(zip(state[8:], ref_state, strict=True)) if x != y), None)
+    assert first is None, f"the pool's KV differs from the reference's from byte {first} of {len(ref_state)} on"
 
 
 # ------------------------------------------------------------------------------ one format, two faces

@@ -3,9 +3,11 @@
 
 Subcommands (all re-runnable):
 
-  prepare  --dest vendor/llama.cpp --upstream-server vendor/upstream-server
-           fetch the pinned sdist (cached), unpack its vendor/llama.cpp/ into --dest,
-           unpack the pristine tools/server/ into --upstream-server, apply patches/.
+  prepare  --dest vendor/llama.cpp --pristine vendor/llama.cpp-pristine
+           fetch the pinned sdist (cached), unpack its vendor/llama.cpp/ into --dest and
+           again into --pristine, apply patches/ to --dest only.  The pristine copy builds
+           the reference server (cmake/reference_server.cmake) with its own ggml, llama
+           and common: nothing the reference loads comes from the patched tree.
            With $POLYKV_LLAMA_CPP_DIR set, that local tree is used instead of --dest.
   apply    --tree DIR        apply patches/*.patch in lexical order, idempotently.
   export   --tree DIR        write one patches/NNNN-name.patch per commit after the
@@ -307,8 +309,8 @@ def export_series(tree: Path, out: Path, base: str = "upstream") -> list[Path]:
 # --------------------------------------------------------------------------- prepare
 
 
-def prepare(dest: Path, upstream_server: Path) -> Path:
-    """Make the patched tree and the pristine server sources ready; return the tree used."""
+def prepare(dest: Path, pristine: Path) -> Path:
+    """Make the patched tree and the pristine tree ready; return the patched tree used."""
     pin = read_pin()
     local = os.environ.get(LOCAL_TREE_ENV)
     if local:
@@ -319,7 +321,9 @@ def prepare(dest: Path, upstream_server: Path) -> Path:
     else:
         tree = dest
         unpack(pin, dest)
-    unpack(pin, upstream_server, subdir="tools/server")
+    unpack(pin, pristine)
+    if (pristine / APPLIED_RECORD).exists():
+        raise PatchToolError(f"{pristine} has patches applied ({APPLIED_RECORD}): it must stay pristine; delete it")
     apply_series(tree)
     return tree
 
@@ -329,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare")
     p.add_argument("--dest", type=Path, default=ROOT / "vendor" / "llama.cpp")
-    p.add_argument("--upstream-server", type=Path, default=ROOT / "vendor" / "upstream-server")
+    p.add_argument("--pristine", type=Path, default=ROOT / "vendor" / "llama.cpp-pristine")
     p.add_argument("--print-tree", action="store_true", help="print the tree path on stdout")
     a = sub.add_parser("apply")
     a.add_argument("--tree", type=Path, required=True)
@@ -342,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="patchtool: %(message)s", stream=sys.stderr)
     try:
         if args.cmd == "prepare":
-            tree = prepare(args.dest.resolve(), args.upstream_server.resolve())
+            tree = prepare(args.dest.resolve(), args.pristine.resolve())
             if args.print_tree:
                 print(tree)
         elif args.cmd == "apply":

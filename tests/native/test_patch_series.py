@@ -54,16 +54,37 @@ def test_patch_that_creates_a_file_is_rejected(pristine_tree: Path, tmp_path: Pa
 
 def test_polykv_code_lives_in_native_and_the_reference_server_does_not_build_it() -> None:
     """native/polykv.cmake adds native/server to the patched server's library and native/ggml-cpu to
-    ggml-cpu; the reference server compiles the pristine sources named in cmake/upstream_server.cmake."""
+    ggml-cpu; the reference server is its own CMake project over the pristine tree (cmake/reference_server.cmake),
+    static, and never sees native/ or the patched tree."""
     native = patchtool.NATIVE_DIR
     for rel in ("server/server-polykv.cpp", "server/server-polykv-files.cpp", "ggml-cpu/polykv-fattn.cpp"):
         assert (native / rel).is_file(), rel
     cmake = (native / "polykv.cmake").read_text()
     assert "target_sources(server-context" in cmake and "target_sources(ggml-cpu" in cmake
-    assert "include(native/polykv.cmake)" in (patchtool.ROOT / "CMakeLists.txt").read_text()
-    reference = (patchtool.ROOT / "cmake" / "upstream_server.cmake").read_text().splitlines()
+    top = (patchtool.ROOT / "CMakeLists.txt").read_text()
+    assert "include(native/polykv.cmake)" in top and "include(cmake/reference_server.cmake)" in top
+    reference = (patchtool.ROOT / "cmake" / "reference_server.cmake").read_text().splitlines()
     code = "".join(line.split("#", 1)[0] for line in reference)  # comments may name the file
-    assert "server-context.cpp" in code and "polykv" not in code.replace("polykv-upstream", "")
+    assert 'SOURCE_DIR "${POLYKV_PRISTINE_DIR}"' in code and "-DBUILD_SHARED_LIBS:BOOL=OFF" in code
+    assert "POLYKV_NATIVE_DIR" not in code and "POLYKV_LLAMA_TREE" not in code and "native/" not in code
+
+
+def test_prepare_refuses_a_patched_pristine_tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reference's tree is unpacked from the pin and never patched: one with patches applied is refused
+    before anything else is patched."""
+    local = tmp_path / "patched"
+    (local / "include").mkdir(parents=True)
+    (local / "include" / "llama.h").write_text("")
+    monkeypatch.setenv(patchtool.LOCAL_TREE_ENV, str(local))
+    pin = patchtool.read_pin()
+    pristine = tmp_path / "pristine"
+    pristine.mkdir()
+    record = {k: pin[k] for k in ("package", "version", "sha256", "upstream_commit")} | {"subdir": ""}
+    (pristine / patchtool.SOURCE_RECORD).write_text(json.dumps(record))  # looks unpacked: not unpacked again
+    (pristine / patchtool.APPLIED_RECORD).write_text("{}")
+    with pytest.raises(patchtool.PatchToolError, match="must stay pristine"):
+        patchtool.prepare(tmp_path / "unused", pristine)
+    assert not (local / patchtool.APPLIED_RECORD).exists()  # nothing was applied
 
 
 def patchtool_touched_files() -> list[str]:

@@ -170,12 +170,27 @@ def serve_server(
     ``slot_actions`` adds ``--slot-save-path`` (erasing slots, for tests); ``slot_save_path`` sets it
     (the pool cache's directory).
     """
-    args = [*POOL_SERVER_ARGS, "-c", str(ctx), *serve_pool_args(n_pools, agent_slots, pool_auto=pool_auto)]
-    args.append(SHARED_DECODE if shared_decode else NO_SHARED_DECODE)
-    args.append(SHARE_ANY if share_any else NO_SHARE_ANY)
+    args = serve_args(n_pools, agent_slots=agent_slots, ctx=ctx, pool_auto=pool_auto, shared_decode=shared_decode,
+                      share_any=share_any)  # fmt: skip
     if slot_actions or slot_save_path:
         args += slot_actions_args(slot_save_path)
     return custom_server(ServerKind.PATCHED, args, extra_args=extra_args, threads=threads, name=name, **launch)
+
+
+def serve_args(
+    n_pools: int,
+    *,
+    agent_slots: int = SERVE_AGENT_SLOTS,
+    ctx: int = SERVE_CTX,
+    pool_auto: bool = True,
+    shared_decode: bool = True,
+    share_any: bool = True,
+) -> list[str]:
+    """The flags of :func:`serve_server` (``polykv serve``'s recipe), for a caller that starts the server itself."""
+    args = [*POOL_SERVER_ARGS, "-c", str(ctx), *serve_pool_args(n_pools, agent_slots, pool_auto=pool_auto)]
+    args.append(SHARED_DECODE if shared_decode else NO_SHARED_DECODE)
+    args.append(SHARE_ANY if share_any else NO_SHARE_ANY)
+    return args
 
 
 def reference_server(

@@ -13,7 +13,7 @@ from polykv_py.harness.gate import GateConfig, main, run_gate
 pytestmark = pytest.mark.integration
 
 
-@pytest.mark.slow  # the five checks: a fresh server per sharer and per reference
+@pytest.mark.slow  # the six checks: a fresh server per sharer and per reference
 def test_gate_passes(
     patched_server_bin: Path,
     upstream_server_bin: Path,
@@ -53,6 +53,16 @@ def test_gate_passes(
     assert sd["info"]["server_counters"]["ops"] > 0 and sd["info"]["server_counters"]["enabled"] is True
     assert [c["verdict"] for c in sd["cases"]].count("not_compared_sampled") == 1
     assert all(c["verdict"] != "different" for c in sd["cases"]), sd["cases"]
+    # zero-config: all at once, all but one shared and the server computed at most P + the suffixes; one at a
+    # time, each shared exactly its prefix with the leader and answered byte for byte as the reference
+    sa = report["checks"]["share_any"]
+    together_any = sa["info"]["together"]
+    assert together_any["hits"] == 2 and together_any["prompt_tokens_computed"] <= together_any["bound_P_plus_suffixes"]
+    exact = [c for c in sa["cases"] if "cache_salt" not in c["name"]]
+    assert [c["shared_prefix"]["shared"] for c in exact] == sa["info"]["p_with_leader"]
+    assert all(c["identical_to_reference"] for c in sa["cases"]), sa["cases"]
+    salted = [c for c in sa["cases"] if "cache_salt" in c["name"]]
+    assert len(salted) == 1 and salted[0]["shared_prefix"] is None
 
 
 def test_share_check_on_reference_server_fails_clearly(

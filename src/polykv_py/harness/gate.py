@@ -1,4 +1,8 @@
-"""The gate: five checks (the fifth reports on --shared-decode) on the default model, a JSON report, an exit status.
+"""The gate: six checks on the default model, a JSON report, an exit status.
+
+The reference server is llama-server built from the pristine pinned tree with its own static ggml, llama
+and common (cmake/reference_server.cmake): nothing it runs comes from the patched build, so a change the
+patch series makes to ggml or common with every polykv option off shows in ``default_output``.
 
 1. ``default_output``: the same requests (completion, /v1/completions and chat;
    stream and non-stream; greedy and seeded; with probabilities; several slots at
@@ -24,6 +28,11 @@
    only in ``--shared-decode`` (patch 0076; every other check runs with it off): each greedy answer with
    it on against the same answer with it off, :data:`~polykv_py.harness.compare.LAYOUT` margins; fails
    only on ``different`` (or if the path never ran).
+6. ``share_any``: zero-config sharing as ``polykv serve`` runs it (``--share-any``, plain requests):
+   all at once with shared decode on, all but the first share and the server computes at most the
+   common prefix plus the suffixes; one at a time with it off, each shares exactly its prefix with a
+   leader's prompt and answers byte-identically to the reference's own cache; another ``cache_salt``
+   shares nothing (:func:`check_share_any`).
 
 Library code logs through ``logging``; :func:`main` routes that to the terminal.
 """
@@ -50,7 +59,7 @@ from ..errors import PolykvError
 from ..llama_server import LlamaServer
 from ..models import resolve_model
 from ..native import ServerKind, server_binary
-from ..presets import NO_CACHE_IDLE, NO_CLEAR_IDLE, UNIFIED_KV, slots_args
+from ..presets import NO_CACHE_IDLE, NO_CLEAR_IDLE, NO_HOST_CACHE, UNIFIED_KV, serve_args, slots_args
 from ..tokens import common_prefix_len
 from .answers import SHARE_FIELDS, VOLATILE_FIELDS, Answer, compare
 from .compare import LAYOUT, compare_greedy
@@ -59,9 +68,10 @@ log = logging.getLogger(__name__)
 
 Json = dict[str, Any]
 
-CHECKS = ("default_output", "share_hit", "fallback_miss", "auto_share", "shared_decode")
+CHECKS = ("default_output", "share_hit", "fallback_miss", "auto_share", "shared_decode", "share_any")
 
 POOL_SLOT = 0
+#: Slots of the checks' servers at least: the pool slot and one slot per sharer (:func:`n_slots`).
 N_SLOTS = 4
 #: The comparator's verdicts (:mod:`polykv_py.harness.compare`), and what a sampled sharer gets instead.
 COMPARE_VERDICTS = ("identical", "near_tie", "different")
@@ -323,7 +333,7 @@ def make_sharers(client: Client, base: str, cfg: GateConfig) -> tuple[list[Share
         prompt = base + QUESTIONS[i % len(QUESTIONS)]
         tokens = client.prompt_tokens(prompt)
         p = common_prefix_len(base_tokens, tokens)
-        slot = 1 + i % (N_SLOTS - 1)
+        slot = 1 + i % (n_slots(cfg) - 1)
         body = {
             "prompt": prompt,
             "n_predict": cfg.n_predict,
@@ -384,8 +394,14 @@ class _Servers:
 
 
 def _base_args(cfg: GateConfig) -> list[str]:
-    """Unified KV, N_SLOTS slots; idle-slot caching as upstream's default (each check adds what it needs)."""
-    return [*slots_args(N_SLOTS, cfg.ctx), UNIFIED_KV]
+    """Unified KV, :func:`n_slots` slots; idle-slot caching as upstream's default (each check adds what it needs)."""
+    return [*slots_args(n_slots(cfg), cfg.ctx), UNIFIED_KV]
+
+
+def n_slots(cfg: GateConfig) -> int:
+    """The pool slot and a slot of its own for each sharer (two sharers pinned to one slot would find the first's
+    prompt in its cache), at least :data:`N_SLOTS`."""
+    return max(N_SLOTS, cfg.n_sharers + 1)
 
 
 # ------------------------------------------------------------------ checks
@@ -469,11 +485,13 @@ def _sharer_verdict(answer: Json, sharer: Sharer, expect: str) -> tuple[bool, st
     return True, f"miss reported ({expect}), full prompt of {prompt_n} tokens re-processed", got
 
 
-def _sharer_case(s: Sharer, verdict: tuple[bool, str, Json], mine: Answer, ref: Answer, same_key: str) -> Json:
+def _sharer_case(
+    s: Sharer, verdict: tuple[bool, str, Json], mine: Answer, ref: Answer, same_key: str, ignore: tuple[str, ...] = ()
+) -> Json:
     """A sharer's entry in a check's report: the verdict on its status, and its answer byte-compared with the
-    reference server's (``same_key`` names that comparison)."""
+    reference server's (``same_key`` names that comparison; ``ignore``: more fields left out on both sides)."""
     ok_status, why, got = verdict
-    same, diff = compare(mine, ref, VOLATILE_FIELDS + SHARE_FIELDS, VOLATILE_FIELDS)
+    same, diff = compare(mine, ref, VOLATILE_FIELDS + SHARE_FIELDS + ignore, VOLATILE_FIELDS + ignore)
     return {"name": s.case.name, "ok": ok_status and same, "P": s.p, "n_prompt": s.n_prompt, **got,
             "status_ok": ok_status, "status_check": why, same_key: same, "difference": diff}  # fmt: skip
 
@@ -773,12 +791,192 @@ def check_shared_decode(servers: _Servers) -> CheckResult:
     return res
 
 
+#: The leader's question in :func:`check_share_any`'s exact phase (the agents' are :data:`QUESTIONS`).
+LEADER_QUESTION = "Question: Which section of the handbook describes the release process?\nAnswer:"
+#: The tenant of :func:`check_share_any`'s salted request (the other requests carry no salt).
+OTHER_SALT = "gate-other-tenant"
+#: What a plain request leaves to the server (the reference answers in the slot it was sent to): not compared.
+SERVER_PICKS = ("id_slot",)
+
+
+def _plain(body: Json) -> Json:
+    """A sharer's body as a plain client sends it: no pool field, not pinned to a slot."""
+    return {k: v for k, v in body.items() if k != "id_slot"}
+
+
+def _any_verdict(answer: Json, n_prompt: int, p: int) -> tuple[bool, str, Json]:
+    """A plain request on a ``--share-any`` server: a hit on the computed prefix, exactly ``min(p, n_prompt - 1)``."""
+    sp = answer.get("shared_prefix") or {}
+    prompt_n = (answer.get("timings") or {}).get("prompt_n")
+    got = {"shared_prefix": answer.get("shared_prefix"), "prompt_n": prompt_n}
+    shared = min(p, n_prompt - 1)
+    if sp.get("status") != "hit" or sp.get("auto") != "any" or sp.get("shared") != shared:
+        return False, f"shared_prefix is {answer.get('shared_prefix')}, expected an 'any' hit sharing {shared}", got
+    if prompt_n != n_prompt - shared:
+        return False, f"processed {prompt_n} prompt tokens, expected n_prompt - shared = {n_prompt - shared}", got
+    return True, f"hit (any), shared {shared}, processed {prompt_n}", got
+
+
+def _share_any_args(cfg: GateConfig, *, shared_decode: bool) -> list[str]:
+    """``polykv serve``'s recipe (one reserved slot for promotions, ``--share-any``) at the gate's size."""
+    return [*serve_args(0, agent_slots=n_slots(cfg) - 1, ctx=cfg.ctx, shared_decode=shared_decode),
+            "--metrics"]  # fmt: skip
+
+
+def _share_any_together(servers: _Servers, base: str, sharers: list[Sharer], res: CheckResult) -> dict[int, Json]:
+    """Phase 1 of :func:`check_share_any`: every sharer at once, plain, with shared decode on as ``polykv serve``
+    runs it; the prompt tokens computed (``/metrics``) at most the common prefix plus each sharer's suffix."""
+    cfg = servers.cfg
+    with servers.start("patched", _share_any_args(cfg, shared_decode=True), "share-any-together") as srv:
+        before = srv.client.metrics().get("llamacpp:prompt_tokens_total", 0.0)
+        cases = [Case(s.case.name + "/plain", "/completion", _plain(s.body), group=1) for s in sharers]
+        answers = run_cases(srv, cases)
+        computed = srv.client.metrics().get("llamacpp:prompt_tokens_total", 0.0) - before
+        health = srv.health_state()
+    finals = {s.index: final_of(answers[c.name], "/completion") for s, c in zip(sharers, cases, strict=True)}
+    p_all = min(s.p for s in sharers)  # the prefix every prompt has in common with the base
+    bound = p_all + sum(s.n_prompt - p_all for s in sharers)
+    statuses = {s.index: (finals[s.index].get("shared_prefix") or {}).get("status") for s in sharers}
+    n_hits = sum(st == "hit" for st in statuses.values())
+    cases_info = []
+    ok = health == "ok" and computed <= bound and n_hits == len(sharers) - 1
+    for s in sharers:
+        final = finals[s.index]
+        shared = (final.get("shared_prefix") or {}).get("shared", 0) if statuses[s.index] == "hit" else 0
+        prompt_n = (final.get("timings") or {}).get("prompt_n")
+        consistent = prompt_n == s.n_prompt - shared and (
+            statuses[s.index] != "hit" or shared >= min(s.p, s.n_prompt - 1)
+        )
+        ok = ok and consistent
+        cases_info.append({"name": s.case.name, "status": statuses[s.index], "shared": shared, "prompt_n": prompt_n,
+                           "n_prompt": s.n_prompt, "P": s.p, "consistent": consistent})  # fmt: skip
+    res.info["together"] = {"prompt_tokens_computed": computed, "bound_P_plus_suffixes": bound, "hits": n_hits,
+                            "health_after": health, "cases": cases_info, "ok": ok}  # fmt: skip
+    log.info("  together: %d/%d shared, %d prompt tokens computed (bound P + suffixes = %d), server %s",
+             n_hits, len(sharers), int(computed), bound, health)  # fmt: skip
+    return finals if ok else {}
+
+
+def check_share_any(servers: _Servers) -> CheckResult:
+    """Zero-config sharing (``--share-any``, as ``polykv serve`` runs it): plain requests, no pool, no slot.
+
+    *Together*: every sharer at once on one server with shared decode on; all but the first must share (an
+    ``any`` hit), each process only its prompt minus what it shared, the server compute at most the common
+    prefix plus each sharer's suffix (``llamacpp:prompt_tokens_total``), and each greedy answer match its
+    exact-phase answer under the :data:`~polykv_py.harness.compare.LAYOUT` margins.
+    *Exact* (shared decode off, one sharer at a time): per sharer a fresh server gets a leader (the base and
+    :data:`LEADER_QUESTION`, nothing generated), then the sharer, plain: it must share exactly its common
+    prefix with the leader's prompt and answer byte-identically to a fresh reference server that computed
+    the same leader prompt in one slot and then got the sharer in that slot (its own cache, the same cells
+    in the same places). The first sharer's server also gets, between the two, the sharer's prompt under
+    another ``cache_salt``: it must share nothing, process its whole prompt and answer as the reference
+    does (there: the same prompt in another slot).
+    """
+    cfg = servers.cfg
+    res = CheckResult("share_any")
+    ref_args = [*slots_args(n_slots(cfg), cfg.ctx), UNIFIED_KV, NO_CACHE_IDLE, *NO_HOST_CACHE]
+    res.info = {"flags_together": _share_any_args(cfg, shared_decode=True),
+                "flags_exact": _share_any_args(cfg, shared_decode=False), "reference_flags": ref_args}  # fmt: skip
+
+    exact_cases: list[Json] = []
+    exact: dict[int, Json] = {}
+    sharers: list[Sharer] = []
+    base = leader = ""
+    for i in range(cfg.n_sharers):
+        with servers.start("patched", res.info["flags_exact"], f"share-any-exact-{i + 1}") as srv:
+            if i == 0:
+                base = build_base(srv.client.prompt_tokens, cfg.base_tokens)
+                leader = base + LEADER_QUESTION
+                sharers, sinfo = make_sharers(srv.client, base, cfg)
+                leader_tokens = srv.client.prompt_tokens(leader)
+                for s in sharers:  # P: what each shares with the leader's prompt
+                    s.p = common_prefix_len(leader_tokens, srv.client.prompt_tokens(s.prompt))
+                res.info.update(sinfo, leader_tokens=len(leader_tokens), p_with_leader=[s.p for s in sharers])
+            s = sharers[i]
+            srv.client.prime(leader, None)
+            salted_raw: Answer | None = None
+            if i == 0:
+                salted_raw = send(
+                    srv.client, Case("salted", "/completion", {**_plain(s.body), "cache_salt": OTHER_SALT})
+                )
+            mine_raw = send(srv.client, Case(s.case.name + "/plain", "/completion", _plain(s.body)))
+        with servers.start("upstream", ref_args, f"share-any-reference-{i + 1}") as ref:
+            ref.client.prime(leader, s.slot)
+            ref_salted = (
+                send(ref.client, Case("salted", "/completion", {**s.body, "id_slot": s.slot + 1}))
+                if salted_raw
+                else None
+            )
+            own_raw = send(ref.client, s.case)
+        if salted_raw is not None and ref_salted is not None:
+            salted = final_of(salted_raw, "/completion")
+            prompt_n = (salted.get("timings") or {}).get("prompt_n")
+            same, diff = compare(
+                salted_raw,
+                ref_salted,
+                (*VOLATILE_FIELDS, *SHARE_FIELDS, *SERVER_PICKS),
+                (*VOLATILE_FIELDS, *SERVER_PICKS),
+            )
+            ok = "shared_prefix" not in salted and prompt_n == s.n_prompt and same
+            exact_cases.append({"name": f"{s.case.name}/cache_salt={OTHER_SALT}", "ok": ok, "prompt_n": prompt_n,
+                                "shared_prefix": salted.get("shared_prefix"), "identical_to_reference": same,
+                                "difference": diff})  # fmt: skip
+            log.info("  other salt: shared_prefix %s, processed %s of %d; vs reference: %s",
+                     salted.get("shared_prefix"), prompt_n, s.n_prompt, _sameness({"difference": diff}))  # fmt: skip
+        mine = final_of(mine_raw, "/completion")
+        exact[s.index] = mine
+        case = _sharer_case(s, _any_verdict(mine, s.n_prompt, s.p), mine_raw, own_raw, "identical_to_reference",
+                            SERVER_PICKS)  # fmt: skip
+        exact_cases.append(case)
+        log.info("  exact %s: %s; vs reference own cache: %s", s.case.name, case["status_check"], _sameness(case))
+    res.cases = exact_cases
+
+    together = _share_any_together(servers, base, sharers, res)
+    vs_exact = []
+    for s in sharers:
+        if not together or s.body.get("temperature"):
+            continue
+        cmp = compare_greedy(exact[s.index], together[s.index], margins=LAYOUT)
+        vs_exact.append({"name": s.case.name, "verdict": cmp.verdict, "max_drift": round(cmp.max_drift, 4),
+                         "detail": cmp.detail, "ok": cmp.ok})  # fmt: skip
+        log.info("  together %s vs exact: %s (%s)", s.case.name, cmp.verdict, cmp.detail)
+    res.info["together_vs_exact"] = vs_exact
+
+    bad = [c for c in exact_cases if not c["ok"]]
+    bad_vs = [c for c in vs_exact if not c["ok"]]
+    res.ok = bool(together) and not bad and not bad_vs
+    t = res.info["together"]
+    failures = []
+    if bad:
+        first = bad[0]
+        why = (
+            first.get("status_check") if not first.get("status_ok", True) else f"output differs: {first['difference']}"
+        )
+        failures.append(f"{len(bad)}/{len(exact_cases)} exact cases failed; {first['name']}: {why}")
+    if not together:
+        failures.append(f"together: {t['hits']}/{len(sharers)} shared, {int(t['prompt_tokens_computed'])} prompt "
+                        f"tokens computed (bound {t['bound_P_plus_suffixes']}), server {t['health_after']}; "
+                        f"{[c for c in t['cases'] if not c['consistent']] or t['cases']}")  # fmt: skip
+    if bad_vs:
+        failures.append(f"a concurrent answer differs from its exact one: {bad_vs}")
+    res.summary = (
+        " | ".join(failures)
+        if failures
+        else f"{len(sharers)} plain requests at once: {t['hits']} shared, {int(t['prompt_tokens_computed'])} prompt "
+        f"tokens computed (<= P + suffixes = {t['bound_P_plus_suffixes']}); one at a time each shared exactly its "
+        f"prefix with the leader (P={[s.p for s in sharers]}) and answered byte-identically to the reference's own "
+        f"cache; another cache_salt shared nothing and answered as the reference"
+    )
+    return res
+
+
 _CHECK_FUNCS: dict[str, Callable[[_Servers], CheckResult]] = {
     "default_output": check_default_output,
     "share_hit": check_share_hit,
     "fallback_miss": check_fallback_miss,
     "auto_share": check_auto_share,
     "shared_decode": check_shared_decode,
+    "share_any": check_share_any,
 }
 
 

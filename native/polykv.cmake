@@ -6,7 +6,7 @@
 #
 # Included by the top-level CMakeLists.txt after add_subdirectory(<llama.cpp tree>), like ollama's
 # llama/compat: a rebase of the pinned tree touches the patches' call sites, never this code.
-# The reference server (cmake/upstream_server.cmake) compiles the pristine server sources and none
+# The reference server (cmake/reference_server.cmake) is built from the pristine tree and none
 # of these files.
 
 set(POLYKV_NATIVE_DIR "${CMAKE_CURRENT_LIST_DIR}")

@@ -8,7 +8,8 @@ The real launcher runs in its own process (the official ``openai`` package talks
   first's prefix from its agent slot, the server promotes it into the reserved pool, and the launcher saves that
   pool once as ``auto-<hash>.pkvpool`` (a file of the pool's tokens, for this model);
 - a concurrent salted pair is shared and promoted too (it replaces the idle promoted pool), but nothing of it is
-  written (the launcher holds no salt);
+  written (the launcher holds no salt): the launcher's own log (``-v``: httpx's line per request, time-stamped)
+  shows it looking at the pools three times after that, and asking for no save;
 - run 2 on the same cache: the launcher says it restored one promoted prefix, ``/slots`` shows the pool
   promoted, resident, restored from that file, with the saved tokens; a first request with the system message
   computes only its own suffix (``cached_tokens`` >= the system message, shared from the pool) and answers as run
@@ -86,7 +87,9 @@ def polykv_serve(model: Path, cache: Path, logs: Path) -> Iterator[tuple[str, li
     reader.start()
     try:
         while not ready.wait(0.5):
-            assert proc.poll() is None, "polykv serve ended before it was ready:\n" + "\n".join(lines)
+            if proc.poll() is not None:
+                reader.join(10)
+                raise AssertionError("polykv serve ended before it was ready:\n" + "\n".join(lines))
         yield f"http://127.0.0.1:{port}", lines
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -791,8 +791,9 @@ def check_shared_decode(servers: _Servers) -> CheckResult:
     return res
 
 
-#: The leader's question in :func:`check_share_any`'s exact phase (the agents' are :data:`QUESTIONS`).
-LEADER_QUESTION = "Question: Which section of the handbook describes the release process?\nAnswer:"
+#: Words whose first token may end the leader's prompt in :func:`check_share_any`'s exact phase (the first
+#: one no sharer has at that position).
+LEADER_WORDS = ("Summary", "Note", "Context", "Reply")
 #: The tenant of :func:`check_share_any`'s salted request (the other requests carry no salt).
 OTHER_SALT = "gate-other-tenant"
 #: What a plain request leaves to the server (the reference answers in the slot it was sent to): not compared.
@@ -815,6 +816,26 @@ def _any_verdict(answer: Json, n_prompt: int, p: int) -> tuple[bool, str, Json]:
     if prompt_n != n_prompt - shared:
         return False, f"processed {prompt_n} prompt tokens, expected n_prompt - shared = {n_prompt - shared}", got
     return True, f"hit (any), shared {shared}, processed {prompt_n}", got
+
+
+def _leader_tokens(client: Client, base: str, sharers: list[Sharer]) -> list[int]:
+    """The exact phase's leader prompt, as tokens: the prefix every sharer's prompt has in common with the base,
+    then one token no sharer has there; each sharer's P (set here) is that prefix.
+
+    One token and not more: the reference keeps its own cache by dropping the leader's cells past P, and a hole
+    of up to two cells leaves llama.cpp's cell search where it was (it starts again from cell 0 only when the
+    head is more than twice the batch's tokens past the cells in use), so both servers place every later cell
+    alike. A leader with a whole question of its own put the reference's first generated token into that hole,
+    and the answers differed from the second token on while the prompts' cells matched.
+    """
+    base_tokens = client.prompt_tokens(base)
+    prompts = [client.prompt_tokens(s.prompt) for s in sharers]
+    p = min(common_prefix_len(base_tokens, t) for t in prompts)
+    taken = {t[p] for t in prompts if len(t) > p}
+    extra = next(tok for word in LEADER_WORDS for tok in client.tokenize(word)[:1] if tok not in taken)
+    for s in sharers:
+        s.p = p
+    return [*base_tokens[:p], extra]
 
 
 def _share_any_args(cfg: GateConfig, *, shared_decode: bool) -> list[str]:
@@ -857,6 +878,26 @@ def _share_any_together(servers: _Servers, base: str, sharers: list[Sharer], res
     return finals if ok else {}
 
 
+def _other_salt(servers: _Servers, s: Sharer, leader: list[int], args: list[str], ref_args: list[str]) -> Json:
+    """Sharer ``s``'s prompt under :data:`OTHER_SALT` after an unsalted leader: nothing shared, the whole prompt
+    processed, and the answer the reference gives for the prompt in a slot of its own after the same leader."""
+    with servers.start("patched", args, "share-any-other-salt") as srv:
+        srv.client.prime(leader, None)
+        mine_raw = send(srv.client, Case("salted", "/completion", {**_plain(s.body), "cache_salt": OTHER_SALT}))
+    with servers.start("upstream", ref_args, "share-any-other-salt-reference") as ref:
+        ref.client.prime(leader, s.slot)
+        ref_raw = send(ref.client, Case("salted", "/completion", {**s.body, "id_slot": s.slot + 1}))
+    mine = final_of(mine_raw, "/completion")
+    prompt_n = (mine.get("timings") or {}).get("prompt_n")
+    same, diff = compare(mine_raw, ref_raw, (*VOLATILE_FIELDS, *SHARE_FIELDS, *SERVER_PICKS),
+                         (*VOLATILE_FIELDS, *SERVER_PICKS))  # fmt: skip
+    ok = "shared_prefix" not in mine and prompt_n == s.n_prompt and same
+    log.info("  other salt: shared_prefix %s, processed %s of %d; vs reference: %s",
+             mine.get("shared_prefix"), prompt_n, s.n_prompt, _sameness({"difference": diff}))  # fmt: skip
+    return {"name": f"{s.case.name}/cache_salt={OTHER_SALT}", "ok": ok, "prompt_n": prompt_n,
+            "shared_prefix": mine.get("shared_prefix"), "identical_to_reference": same, "difference": diff}  # fmt: skip
+
+
 def check_share_any(servers: _Servers) -> CheckResult:
     """Zero-config sharing (``--share-any``, as ``polykv serve`` runs it): plain requests, no pool, no slot.
 
@@ -864,13 +905,13 @@ def check_share_any(servers: _Servers) -> CheckResult:
     ``any`` hit), each process only its prompt minus what it shared, the server compute at most the common
     prefix plus each sharer's suffix (``llamacpp:prompt_tokens_total``), and each greedy answer match its
     exact-phase answer under the :data:`~polykv_py.harness.compare.LAYOUT` margins.
-    *Exact* (shared decode off, one sharer at a time): per sharer a fresh server gets a leader (the base and
-    :data:`LEADER_QUESTION`, nothing generated), then the sharer, plain: it must share exactly its common
-    prefix with the leader's prompt and answer byte-identically to a fresh reference server that computed
-    the same leader prompt in one slot and then got the sharer in that slot (its own cache, the same cells
-    in the same places). The first sharer's server also gets, between the two, the sharer's prompt under
-    another ``cache_salt``: it must share nothing, process its whole prompt and answer as the reference
-    does (there: the same prompt in another slot).
+    *Exact* (shared decode off, one sharer at a time): per sharer a fresh server gets a leader (the prefix the
+    sharers have in common with the base and one other token, nothing generated: :func:`_leader_tokens`), then
+    the sharer, plain: it must share exactly its common prefix with the leader's prompt and answer
+    byte-identically to a fresh reference server that computed the same leader prompt in one slot and then got
+    the sharer in that slot (its own cache, the same cells in the same places). One more pair of servers: after
+    the same leader, the first sharer's prompt under another ``cache_salt`` must share nothing, process its
+    whole prompt and answer as the reference does (there: in another slot; :func:`_other_salt`).
     """
     cfg = servers.cfg
     res = CheckResult("share_any")
@@ -881,54 +922,27 @@ def check_share_any(servers: _Servers) -> CheckResult:
     exact_cases: list[Json] = []
     exact: dict[int, Json] = {}
     sharers: list[Sharer] = []
-    base = leader = ""
+    base = ""
+    leader: list[int] = []
     for i in range(cfg.n_sharers):
         with servers.start("patched", res.info["flags_exact"], f"share-any-exact-{i + 1}") as srv:
             if i == 0:
                 base = build_base(srv.client.prompt_tokens, cfg.base_tokens)
-                leader = base + LEADER_QUESTION
                 sharers, sinfo = make_sharers(srv.client, base, cfg)
-                leader_tokens = srv.client.prompt_tokens(leader)
-                for s in sharers:  # P: what each shares with the leader's prompt
-                    s.p = common_prefix_len(leader_tokens, srv.client.prompt_tokens(s.prompt))
-                res.info.update(sinfo, leader_tokens=len(leader_tokens), p_with_leader=[s.p for s in sharers])
+                leader = _leader_tokens(srv.client, base, sharers)
+                res.info.update(sinfo, leader_tokens=len(leader), p_with_leader=[s.p for s in sharers])
             s = sharers[i]
             srv.client.prime(leader, None)
-            salted_raw: Answer | None = None
-            if i == 0:
-                salted_raw = send(
-                    srv.client, Case("salted", "/completion", {**_plain(s.body), "cache_salt": OTHER_SALT})
-                )
             mine_raw = send(srv.client, Case(s.case.name + "/plain", "/completion", _plain(s.body)))
         with servers.start("upstream", ref_args, f"share-any-reference-{i + 1}") as ref:
             ref.client.prime(leader, s.slot)
-            ref_salted = (
-                send(ref.client, Case("salted", "/completion", {**s.body, "id_slot": s.slot + 1}))
-                if salted_raw
-                else None
-            )
             own_raw = send(ref.client, s.case)
-        if salted_raw is not None and ref_salted is not None:
-            salted = final_of(salted_raw, "/completion")
-            prompt_n = (salted.get("timings") or {}).get("prompt_n")
-            same, diff = compare(
-                salted_raw,
-                ref_salted,
-                (*VOLATILE_FIELDS, *SHARE_FIELDS, *SERVER_PICKS),
-                (*VOLATILE_FIELDS, *SERVER_PICKS),
-            )
-            ok = "shared_prefix" not in salted and prompt_n == s.n_prompt and same
-            exact_cases.append({"name": f"{s.case.name}/cache_salt={OTHER_SALT}", "ok": ok, "prompt_n": prompt_n,
-                                "shared_prefix": salted.get("shared_prefix"), "identical_to_reference": same,
-                                "difference": diff})  # fmt: skip
-            log.info("  other salt: shared_prefix %s, processed %s of %d; vs reference: %s",
-                     salted.get("shared_prefix"), prompt_n, s.n_prompt, _sameness({"difference": diff}))  # fmt: skip
-        mine = final_of(mine_raw, "/completion")
-        exact[s.index] = mine
-        case = _sharer_case(s, _any_verdict(mine, s.n_prompt, s.p), mine_raw, own_raw, "identical_to_reference",
-                            SERVER_PICKS)  # fmt: skip
+        exact[s.index] = final_of(mine_raw, "/completion")
+        case = _sharer_case(s, _any_verdict(exact[s.index], s.n_prompt, s.p), mine_raw, own_raw,
+                            "identical_to_reference", SERVER_PICKS)  # fmt: skip
         exact_cases.append(case)
         log.info("  exact %s: %s; vs reference own cache: %s", s.case.name, case["status_check"], _sameness(case))
+    exact_cases.append(_other_salt(servers, sharers[0], leader, res.info["flags_exact"], ref_args))
     res.cases = exact_cases
 
     together = _share_any_together(servers, base, sharers, res)

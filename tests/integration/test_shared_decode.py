@@ -125,8 +125,8 @@ def test_answers_match_the_server_without_it(runs: Runs) -> None:
     # Like for like, the path's rounding is all that differs. Measured here (2-core AMD EPYC, AVX-512; the
     # batching is deterministic: two runs of each server answered byte-identically, and two more test runs
     # counted the same): 106 identical / 86 near tie / 0 different, max drift 0.33, largest gap at a flip 0.37
-    # (LAYOUT: 0.5, 1.0). Even with agents sent
-    # concurrently (another layout per run) on vs off measured 0 different in 8 pairs (max drift 0.38).
+    # (LAYOUT: 0.5, 1.0). Even with agents sent concurrently (another layout per run) on vs off measured 0
+    # different in 8 pairs (max drift 0.38).
     assert [c.detail for c in cmps if not c.ok] == []
     # Most flips are near ties and a minority: 106 of 192 identical here; 97-116 in on-vs-off pairs where one
     # or both sent the agents concurrently (8 pairs, AMD EPYC). Half leaves room for another CPU's rounding.

@@ -444,9 +444,15 @@ def check_default_output(servers: _Servers) -> CheckResult:
         f"{len(cases)} requests byte-identical to the reference server (after removing only "
         f"{', '.join(VOLATILE_FIELDS)})"
         if res.ok
-        else f"{len(bad)}/{len(cases)} answers differ: {bad}"
+        else f"{len(bad)}/{len(cases)} answers differ: {bad}; {bad[0]}: {_first_difference(res.cases, bad[0])}"
     )
     return res
+
+
+def _first_difference(cases: list[Json], name: str) -> str:
+    """What the report says differs in case ``name``, cut to a line."""
+    diff = next(c["difference"] for c in cases if c["name"] == name)
+    return str(diff)[:300]
 
 
 def _sharer_verdict(answer: Json, sharer: Sharer, expect: str) -> tuple[bool, str, Json]:

@@ -155,8 +155,11 @@ def test_on_the_path_runs_and_answers_within_layout_margins(
     for c in compare_all(on, on_again, EXACT):
         assert c.verdict == "identical" and c.max_drift == 0.0, f"the path is not deterministic: {c.detail}"
     cmps = compare_all(off, on, LAYOUT)
-    log.warning("in-process shared decode on vs off, %d agents x %d tokens: %s; max drift %.4f", len(cmps), N_GEN,
-                [c.verdict for c in cmps], max(c.max_drift for c in cmps))  # fmt: skip
+    log.warning("in-process shared decode on vs off, %d agents x %d tokens: %s; max drift %.4f, gaps at flips %s",
+                len(cmps), N_GEN, [c.verdict for c in cmps], max(c.max_drift for c in cmps),
+                [round(c.tie_gap, 4) for c in cmps if c.tie_gap is not None])  # fmt: skip
+    # same layout, so only the path's rounding differs; measured (2-core AMD EPYC, 4 runs, the same each time):
+    # 3 identical / 1 near tie (gap 0.25) / 0 different, max drift 0.28 (LAYOUT: 0.5 per token, 1.0 at a flip)
     assert all(c.ok for c in cmps), [c.detail for c in cmps]
     # f32 instead of upstream's f16 rounding moves log-probabilities a little: bit-exact would mean no effect
     assert max(c.max_drift for c in cmps) > 0.0, [c.detail for c in cmps]

@@ -63,7 +63,7 @@ def rounds_on(extra: list[str], log_dir: Path) -> Run:
     srv = pool_server(n_agents_parallel=N_AGENTS, ctx=8192, threads=2, extra_args=extra, track_kv=False,
                       log_dir=log_dir, name="shared-decode" if extra else "shared-decode-off")  # fmt: skip
     base = sample_document()
-    out = []
+    out: list[list[dict[str, Any]]] = []
     with srv:
         c = srv.client
         c.prime(base, 0)

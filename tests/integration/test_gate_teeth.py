@@ -62,11 +62,18 @@ def compile_mutation(source: Path, out_dir: Path) -> Path:
     return out
 
 
-def gate(tmp_path: Path, server_bins: tuple[Path, Path], model: Path, **cfg: Any) -> dict[str, Any]:
-    patched, upstream = server_bins
+def failed_check_under(
+    mutation: str, check: str, bins: tuple[Path, Path], model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    **cfg: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """Gate ``check`` with ``mutation`` preloaded into every server it starts; the check must fail: its report."""
+    monkeypatch.setenv("LD_PRELOAD", str(compile_mutation(MUTATIONS / mutation, tmp_path)))
+    patched, upstream = bins
     config = GateConfig(model=model, patched_bin=patched, upstream_bin=upstream, log_dir=tmp_path, fresh_info=False,
-                        **cfg)  # fmt: skip
-    return run_gate(config)
+                        checks=(check,), n_predict=8, **cfg)  # fmt: skip
+    result: dict[str, Any] = run_gate(config)["checks"][check]
+    assert not result["ok"], result["summary"]
+    return result
 
 
 def test_reference_loads_nothing_from_the_patched_build(patched_server_bin: Path, upstream_server_bin: Path) -> None:
@@ -88,11 +95,8 @@ def test_planted_ggml_change_fails_default_output(
     patched_server_bin: Path, upstream_server_bin: Path, model_path: Path, tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
-    monkeypatch.setenv("LD_PRELOAD", str(compile_mutation(MUTATIONS / "rms_norm_eps.c", tmp_path)))
-    report = gate(tmp_path, (patched_server_bin, upstream_server_bin), model_path, checks=("default_output",),
-                  n_predict=8)  # fmt: skip
-    check = report["checks"]["default_output"]
-    assert not check["ok"], check["summary"]
+    check = failed_check_under("rms_norm_eps.c", "default_output", (patched_server_bin, upstream_server_bin),
+                               model_path, tmp_path, monkeypatch)  # fmt: skip
     different = [c for c in check["cases"] if not c["ok"]]
     # every answer moved (probabilities at least): the mutation reached the patched server and not the reference
     assert len(different) == len(check["cases"]), json.dumps(check["cases"], indent=1)[:3000]
@@ -104,11 +108,8 @@ def test_planted_off_by_one_share_fails_share_any(
     patched_server_bin: Path, upstream_server_bin: Path, model_path: Path, tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
-    monkeypatch.setenv("LD_PRELOAD", str(compile_mutation(MUTATIONS / "share_off_by_one.cpp", tmp_path)))
-    report = gate(tmp_path, (patched_server_bin, upstream_server_bin), model_path, checks=("share_any",),
-                  n_predict=8, base_tokens=400, n_sharers=2, ctx=4096)  # fmt: skip
-    check = report["checks"]["share_any"]
-    assert not check["ok"], check["summary"]
+    check = failed_check_under("share_off_by_one.cpp", "share_any", (patched_server_bin, upstream_server_bin),
+                               model_path, tmp_path, monkeypatch, base_tokens=400, n_sharers=2, ctx=4096)  # fmt: skip
     sharers = [c for c in check["cases"] if c["name"].startswith("sharer") and "cache_salt" not in c["name"]]
     assert len(sharers) == 2
     # the mutation acted (each share one cell longer than the prefix the prompts have in common) ...

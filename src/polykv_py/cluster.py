@@ -62,13 +62,15 @@ class Cluster:
         log_dir: str | os.PathLike[str] | None = None,
         gateway_port: int | None = None,
     ) -> None:
-        from .presets import serve_server
+        from .models import is_default_model
+        from .presets import serve_server, template_args
 
         self.config = cfg = config or ClusterConfig()
         if cfg.replicas < 1 or cfg.pools_per_replica < 1:
             raise ValueError("a cluster needs at least one replica with at least one pool slot")
         self.pool_cache = pool_cache if pool_cache is not None else PoolCache(None)
         save_path = self.pool_cache.save_path
+        default_model = is_default_model(cfg.model)  # gets polykv's tools template, as in polykv serve
         self.replicas: list[LlamaServer] = [
             serve_server(
                 cfg.pools_per_replica,
@@ -79,7 +81,7 @@ class Cluster:
                 slot_save_path=save_path,
                 shared_decode=cfg.shared_decode,
                 share_any=cfg.share_any,
-                extra_args=["--alias", cfg.alias, *cfg.extra_args],
+                extra_args=["--alias", cfg.alias, *template_args(default_model, cfg.extra_args), *cfg.extra_args],
                 threads=cfg.threads,
                 model=cfg.model,
                 name=f"replica{i}",

@@ -100,3 +100,8 @@ def resolve_model(model: str | os.PathLike[str] | None = None) -> Path:
                 raise ModelError(f"not a GGUF file (bad magic): {path}")
         return path
     return default_model_path()
+
+
+def is_default_model(model: str | os.PathLike[str] | None = None) -> bool:
+    """Whether ``model`` (resolved as :func:`resolve_model` does) is the default model's file."""
+    return resolve_model(model).resolve() == default_model_path(download=False).resolve()

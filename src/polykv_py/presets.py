@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from .llama_server import DEFAULT_THREADS, LlamaServer
@@ -71,6 +72,33 @@ SERVE_DEFAULTS = (
     *POOL_SERVER_ARGS[:-1], "-c", str(SERVE_CTX),
     "-t", str(min(os.cpu_count() or 2, 8)), "--metrics", "--slots", SHARED_DECODE, SHARE_ANY,
 )  # fmt: skip
+
+
+#: Flags that choose the chat template: given any of them, ``polykv serve`` adds no template of its own.
+CHAT_TEMPLATE_FLAGS = ("--chat-template", "--chat-template-file", "--no-jinja")
+
+
+def tools_template() -> Path:
+    """polykv's ChatML template with tools for the default model (its own template cannot render tools).
+
+    Without tools it renders what the model's own template renders, byte for byte; with tools it lists them
+    in the system turn and renders tool calls and results (``tests/integration/test_tools_template.py``).
+    """
+    return Path(__file__).parent / "data" / "templates" / "chatml-tools.jinja"
+
+
+def template_args(default_model: bool, args: Sequence[str]) -> list[str]:
+    """``--chat-template-file`` with :func:`tools_template` for the default model, unless ``args`` choose one."""
+    chosen = any(a.split("=", 1)[0] in CHAT_TEMPLATE_FLAGS for a in args)
+    return ["--chat-template-file", str(tools_template())] if default_model and not chosen else []
+
+
+def stock_serve_args(n_slots: int, *, ctx: int = SERVE_CTX, threads: int | None = None) -> list[str]:
+    """``polykv serve --upstream``: the stock server with its own defaults (idle slots cached to host RAM,
+    its prompt cache) and what makes it comparable to ``polykv serve``: the same ``n_slots`` slots over the
+    same ``ctx`` unified KV cells, the same threads, ``--metrics`` and ``/slots``."""
+    threads = threads or min(os.cpu_count() or 2, 8)
+    return [UNIFIED_KV, *slots_args(n_slots, ctx), "-t", str(threads), "--metrics", "--slots"]
 
 
 def slots_args(n_slots: int, ctx: int) -> list[str]:

@@ -30,6 +30,7 @@ from typing import Any, Literal, TextIO
 from .client import Client
 from .errors import HTTPError, PolykvError, ServerError
 from .llama_server import LlamaServer
+from .models import is_default_model, resolve_model
 from .native import ServerKind, server_binary
 from .pools import PoolCache, pool_file_name, report_failed_restore
 from .presets import (
@@ -40,6 +41,8 @@ from .presets import (
     SERVE_DEFAULTS,
     SHARE_ANY,
     serve_pool_args,
+    stock_serve_args,
+    template_args,
 )
 from .promoted import PromotedPoolKeeper, restore_promoted
 
@@ -150,6 +153,20 @@ def prime_pools(
         )
         out.append(primed)
     return out
+
+
+def warn_if_no_tools(client: Client) -> bool:
+    """Warn when the server's chat template cannot render tools (``/props`` ``chat_template_caps``): the
+    server then drops a request's tool list, and its ``tool_choice``, without an error. True when it can."""
+    caps = client.props().get("chat_template_caps") or {}
+    if caps.get("supports_tools", True):
+        return True
+    log.warning(
+        "the model's chat template cannot render tools: a request's tools (and tool_choice) are dropped without "
+        "an error, as the stock server does; give one that can: polykv serve -- --chat-template-file FILE "
+        "(docs/agents.md#tools)"
+    )
+    return False
 
 
 def _save(client: Client, cache: PoolCache, slot: int, source: str, name: str, salt: str | None) -> bool:
@@ -286,7 +303,13 @@ def build_server(opts: ServeOptions) -> tuple[LlamaServer, list[PoolSpec], PoolC
     if (pools or share_any) and not opts.no_pool_cache:  # the server's --slot-save-path is the cache
         cache = PoolCache(take_option(extra, "--slot-save-path") or opts.pool_cache or PoolCache.default().directory)
         extra += ["--slot-save-path", str(cache.save_path)]
-    args: list[str] = [] if opts.no_defaults else list(SERVE_DEFAULTS)
+    if opts.upstream:  # the stock server with its defaults, and the slots polykv serve would have
+        n_slots = max(opts.auto_pools, opts.reserve_pools, 1) + opts.agent_slots
+        args: list[str] = [] if opts.no_defaults else stock_serve_args(n_slots)
+    else:
+        args = [] if opts.no_defaults else list(SERVE_DEFAULTS)
+    model = resolve_model(opts.model)
+    args += template_args(is_default_model(model), [*args, *extra])
     if not opts.upstream and (pools or not opts.no_defaults):
         pool_auto = opts.pool_auto
         if pool_auto is None:
@@ -297,7 +320,7 @@ def build_server(opts: ServeOptions) -> tuple[LlamaServer, list[PoolSpec], PoolC
         args += serve_pool_args(n_pools, opts.agent_slots, pool_auto=pool_auto and POOL_AUTO not in extra)
     server = LlamaServer(
         binary,
-        opts.model,
+        model,
         [*args, *extra],
         kind=kind,
         host=host,
@@ -397,6 +420,7 @@ def _run(server: LlamaServer, pools: Sequence[PoolSpec], salt: str | None, out: 
         return exit_code(exc.exit_status)
     log.info("llama-server pid %d at %s, log %s", server.pid, server.url, server.log_path)
     try:
+        warn_if_no_tools(server.client)
         prime_pools(server.client, pools, salt=salt, cache=cache)
     except PolykvError as exc:
         if server.is_alive():

@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--api-key", default=os.environ.get("POLYKV_API_KEY"), help="require this API key")
-    p.add_argument("--upstream", action="store_true", help="run the reference (unpatched) server instead")
+    p.add_argument("--upstream", action="store_true", help="run the stock (pristine) server instead, with its own "
+                   "defaults and the same slots, KV cells, threads and chat template (for comparisons)")  # fmt: skip
     p.add_argument("--no-defaults", action="store_true", help=f"don't add {' '.join(SERVE_DEFAULTS)}")
     for flag, kind, what in (
         ("--pool", "text", "this file's text (completion prompts that start with it share it)"),

@@ -19,27 +19,20 @@ The real launcher runs in its own process (the official ``openai`` package talks
 from __future__ import annotations
 
 import os
-import re
-import signal
-import subprocess
-import sys
-import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
+from serve_process import REQUEST_LINE, polykv_serve
 
 from polykv_py.client import Client
 from polykv_py.data import sample_document
 from polykv_py.harness.compare import compare_chat
 from polykv_py.harness.texts import repeat_to_tokens
 from polykv_py.llama.state import read_prefix_header
-from polykv_py.llama_server import free_port
 from polykv_py.pools import POOL_FILE_SUFFIX, PROMOTED_FILE_PREFIX
 
 pytestmark = pytest.mark.integration
@@ -50,55 +43,10 @@ SERVER_FLAGS = ("-c", "4096", "-t", "2", "-b", "256", "-ub", "256")
 SAVE_WAIT_S = 20.0  # the launcher looks at the pools every 2 s
 
 
-#: ``polykv -v serve`` in a process of its own, its log lines stamped with the time they were written
-#: (``-v`` keeps httpx's line per request the launcher sends; the root logger set up here stays at INFO,
-#: so ``-v``'s DEBUG level, set up later only if nothing is yet, does not apply)
-LAUNCHER = (
-    "import logging, sys\n"
-    "logging.basicConfig(level=logging.INFO, format='%(created).6f %(levelname)s %(name)s: %(message)s')\n"
-    "from polykv_py.cli import main\n"
-    "sys.exit(main(sys.argv[1:]))"
-)
-#: httpx's line for a request the launcher sent: its time, method and path.
-REQUEST_LINE = re.compile(r"^(?P<t>\d+\.\d+) INFO httpx: HTTP Request: (?P<method>[A-Z]+) http://[^/]+(?P<path>\S*) ")
-
-
-@contextmanager
-def polykv_serve(model: Path, cache: Path, logs: Path) -> Iterator[tuple[str, list[str]]]:
-    """``polykv serve`` in its own process; yields its URL and the lines it prints (a thread keeps reading them,
-    so the list grows while the launcher runs)."""
-    port = free_port()
-    argv = [sys.executable, "-c", LAUNCHER, "-v", "serve", "--model", str(model), "--port", str(port),
-            "--pool-cache", str(cache), "--agent-slots", "2", "--auto-pools", "1", "--log-dir", str(logs),
-            "--", *SERVER_FLAGS]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line.rstrip("\n"))
-            if "polykv serve: ready at" in line:
-                ready.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-        while not ready.wait(0.5):
-            if proc.poll() is not None:
-                reader.join(10)
-                raise AssertionError("polykv serve ended before it was ready:\n" + "\n".join(lines))
-        yield f"http://127.0.0.1:{port}", lines
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        finally:
-            proc.kill()
-            reader.join(10)
-        assert proc.returncode == 0, "\n".join(lines[-40:])
+def serve_args(model: Path, cache: Path, logs: Path) -> list[str]:
+    """The launcher's arguments here: the model, the pool cache, 2 agent slots and 1 auto pool, small batches."""
+    return ["--model", str(model), "--pool-cache", str(cache), "--agent-slots", "2", "--auto-pools", "1",
+            "--log-dir", str(logs), "--", *SERVER_FLAGS]  # fmt: skip
 
 
 def requests_since(lines: list[str], t0: float) -> list[tuple[float, str, str]]:
@@ -147,7 +95,7 @@ def wait_for_files(cache: Path, n: int) -> list[Path]:
 
 def test_a_promoted_prefix_is_saved_and_restored_at_the_next_start(model_path: Path, tmp_path: Path) -> None:
     cache, logs = tmp_path / "pools", tmp_path / "logs"
-    with polykv_serve(model_path, cache, logs) as (url, lines):
+    with polykv_serve(*serve_args(model_path, cache, logs)) as (url, lines):
         with Client(url) as c:
             system = repeat_to_tokens(sample_document(), SYSTEM_TOKENS, c.tokenize, c.detokenize)
             n_sys = len(c.prompt_tokens(c.apply_template([{"role": "system", "content": system}])))
@@ -183,7 +131,7 @@ def test_a_promoted_prefix_is_saved_and_restored_at_the_next_start(model_path: P
         assert all(method == "GET" for _, method, _ in sent), f"the launcher tried to save the salted pool: {sent}"
         assert promoted_files(cache) == files
 
-    with polykv_serve(model_path, cache, logs) as (url, lines):
+    with polykv_serve(*serve_args(model_path, cache, logs)) as (url, lines):
         assert any("1 promoted prefix restored" in line for line in lines), lines
         with Client(url) as c:
             pool = c.pools()[0]

@@ -1,4 +1,7 @@
-"""8 agents with the official openai client over one document; first run: polykv serve --pool examples/design-doc.md"""
+"""8 agents with the official openai client over one declared pool.
+
+First run: polykv serve --pool examples/design-doc.md
+"""
 
 import asyncio
 from pathlib import Path

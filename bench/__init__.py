@@ -10,6 +10,8 @@ Each module is a command, run from the checkout's root against the installed pac
     python -m bench.engine            # the in-process engine: shared vs every agent from scratch
     python -m bench.reliability       # the load run plus the fault and hostile-input suites
     python -m bench.oracle            # the provenance soak: the randomized oracle, TTFT across salts
+    python -m bench.zeroconfig        # zero-config sharing: plain chat agents, no pool declared
+    python -m bench.agents            # the agent framework examples vs the stock server, same slots
 
 Each writes its JSON and markdown under :data:`RESULTS` (``bench/results/``) unless ``--out`` says
 otherwise. The checkers they share with the gate and the tests (KV cells from the server log, greedy

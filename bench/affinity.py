@@ -6,7 +6,7 @@ included) and KV cells (the sum over replicas of each one's peak), plus where re
 and how they were served. Systems, each on a fresh cluster of the same shape:
 
 - ``affinity``: ``--policy manual``, every request carries its pool's routing key
-  (:class:`~polykv_py.routing.RoutedContext`): each base primed once, on one replica, shared there;
+  (:class:`~polykv_py.routing.RoutedFanout`): each base primed once, on one replica, shared there;
 - ``round_robin`` / ``cache_aware``: plain OpenAI requests, no key, nothing primed: what a stock
   server behind the gateway gets (``cache_aware`` routes by the prompt's text prefix);
 - ``round_robin_pools`` / ``cache_aware_pools``: the drop-in way without a key: every base primed
@@ -30,9 +30,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from polykv_py.client import OAI_COMPLETION, AsyncClient, Request
+from polykv_py.client import OAI_COMPLETION, AsyncClient, Request, routed_replica
 from polykv_py.cluster import Cluster, ClusterConfig
-from polykv_py.fanout import Agent, BaseContext, routed_replica
+from polykv_py.fanout import Agent, BasePrompt
 from polykv_py.gateway import GatewayOptions
 from polykv_py.harness.kvcells import KV_METHOD, KVCellsLog
 from polykv_py.pools import PoolCache
@@ -105,7 +105,7 @@ async def _run_system(system: str, cluster: Cluster, cfg: AffinityConfig) -> tup
     if system == "affinity":
         async with cluster.router() as router:
             ctxs = [
-                router.context(BaseContext.from_text(b), concurrency=cfg.agents, pool_cache=cluster.pool_cache)
+                router.context(BasePrompt.from_text(b), concurrency=cfg.agents, pool_cache=cluster.pool_cache)
                 for b in bases
             ]
             agents = [Agent(q, params={"n_predict": cfg.gen, "temperature": 0.0}) for q in qs]

@@ -28,10 +28,11 @@ from statistics import median
 from typing import Any
 
 from polykv_py.client import AsyncClient
-from polykv_py.fanout import Agent, BaseContext, SharedContext
+from polykv_py.fanout import Agent, BasePrompt, Fanout
 
 from . import RESULTS
-from .fanout import engine_params, round_up
+from .common import round_up
+from .fanout import engine_params
 from .machine import load_avg, machine
 from .multiturn import QUESTION_TOKENS, base_for, question_block
 from .systems import SYSTEMS, UPSTREAM_DECODE, System, start_system_server
@@ -65,7 +66,7 @@ async def _fanout(url: str, server: Any, base: str, cell: DecodeCell, timeout: f
     params = {"n_predict": cell.gen, "ignore_eos": True, "temperature": 0.0}
     agents = [Agent(question_block(i, 0)[0], name=f"a{i}", mode="completion", params=params) for i in range(cell.n)]
     async with AsyncClient(url, server=server, timeout=timeout) as client:
-        sc = SharedContext(client, BaseContext.from_text(base), share=True, concurrency=cell.n)
+        sc = Fanout(client, BasePrompt.from_text(base), share=True, concurrency=cell.n)
         await sc.prime()
         res = await sc.run(agents, prime=False)
         props = await client.props()

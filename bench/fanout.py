@@ -22,30 +22,33 @@ import dataclasses
 import json
 import logging
 import os
-import platform
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import mean, median
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any
 
 from polykv_py.client import AsyncClient
-from polykv_py.data import sample_document
 from polykv_py.errors import PolykvError
-from polykv_py.fanout import Agent, BaseContext, SharedContext
+from polykv_py.fanout import Agent, BasePrompt, Fanout
 from polykv_py.harness.kvcells import KV_METHOD, KVCellsLog
-from polykv_py.harness.texts import Detokenize, Tokenize, cut_to_tokens, repeat_to_tokens
+from polykv_py.jsontypes import Json
 from polykv_py.llama_server import LlamaServer
-from polykv_py.results import FanoutResult
 
 from . import RESULTS
-from .machine import cpu_model, load_avg
+from .common import (
+    PeakRSS,
+    machine_info,
+    make_inputs,
+    round_summary,
+    system_budget,
+)
+from .machine import load_avg
 from .systems import SYSTEMS as SERVER_SYSTEMS
-from .systems import System, start_system_server
+from .systems import start_system_server
 
 if TYPE_CHECKING:  # the engine loads the native extension: only its cells import it
     from polykv_py.engine import GenerationParams
@@ -53,15 +56,10 @@ if TYPE_CHECKING:  # the engine loads the native extension: only its cells impor
 
 log = logging.getLogger(__name__)
 
-Json = dict[str, Any]
 
 SYSTEMS = (*SERVER_SYSTEMS, "engine")
 #: The capacity probe's systems: polykv, and the stock server whose KV holds the most whole prompts at a fixed -c.
 CAPACITY_SYSTEMS = ("patched", "stock_kvu")
-FILLER = (
-    "Agents review the design of a telemetry pipeline: gateways, a replicated log, a live view and a history "
-    "store, with the failure modes, the costs and the rollout plan each of them brings along. "
-)
 
 
 @dataclass
@@ -86,89 +84,6 @@ class BenchConfig:
     quick: bool = False
 
 
-# --------------------------------------------------------------------------- inputs
-def base_text(target_tokens: int, tokenize: Tokenize, detokenize: Detokenize) -> str:
-    """A text of about ``target_tokens`` tokens: the sample document (package data), repeated and cut."""
-    return repeat_to_tokens(sample_document(), target_tokens, tokenize, detokenize)
-
-
-def suffix_text(i: int, target_tokens: int, tokenize: Tokenize, detokenize: Detokenize, round_: int = 0) -> str:
-    """Agent ``i``'s distinct suffix of about ``target_tokens`` tokens for round ``round_``."""
-    head = f"\n\nReviewer {i + 1}, question {i * 7 + 3 + 100 * round_}: "
-    return cut_to_tokens(head + FILLER * 4, target_tokens, tokenize, detokenize)
-
-
-def ctx_for(n: int, p: int, s: int, g: int) -> int:
-    """KV cells for N agents and the base, each with its own copy (what the reference needs)."""
-    return round_up((n + 1) * (p + s + g + 16), 256)
-
-
-def round_up(cells: int, step: int = 256) -> int:
-    """``cells`` rounded up to a multiple of ``step`` (KV sizes are given in 256-cell pages)."""
-    return -(-cells // step) * step
-
-
-def matched_budget(n: int, p: int, s: int, g: int) -> tuple[int, int]:
-    """(KV cells, slots) for the reference held to the patched server's budget.
-
-    The budget is the sharing bound ``P + N*(S+G+16)`` plus 64, rounded up to 256; the
-    slots are the whole prompts that fit in it side by side (at least one).
-    """
-    cells = round_up(p + n * (s + g + 16) + 64, 256)
-    return cells, max(1, min(n, cells // (p + s + g + 16)))
-
-
-# --------------------------------------------------------------------------- helpers
-class PeakRSS:
-    """Samples a server's resident memory in a thread; ``peak`` in bytes."""
-
-    def __init__(self, server: LlamaServer, every: float = 0.25) -> None:
-        self.server, self.every, self.peak = server, every, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.peak = max(self.peak, self.server.usage().rss_bytes)
-            except Exception as exc:  # a sampler must not kill the bench
-                log.debug("RSS sample failed: %s", exc)
-            self._stop.wait(self.every)
-
-    def __enter__(self) -> Self:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-def round_summary(res: FanoutResult, kv_peak: int | None, rss: int | None, metrics_delta: dict[str, float]) -> Json:
-    """The numbers of one round."""
-    from_start = [a.started_s + a.ttft_s for a in res.agents if a.ttft_s is not None]
-    errors = [a.error for a in res.agents if a.error]
-    return {
-        "wall_s": round(res.wall_s, 3),
-        "prime_s": round(sum(p.wall_s for p in res.primes), 3),
-        "ttft_mean_s": round(mean(from_start), 3) if from_start else None,
-        "ttft_p50_s": round(median(from_start), 3) if from_start else None,
-        "ttft_max_s": round(max(from_start), 3) if from_start else None,
-        "ttft_from": "fan-out start (priming included)",
-        "prompt_tokens_processed": res.tokens_processed,
-        "prompt_tokens_metrics": int(metrics_delta.get("llamacpp:prompt_tokens_total", -1)),
-        "prefix_tokens": res.prefix_tokens,
-        "pool_tokens": res.pool_tokens,
-        "mean_prompt_tokens": round(mean(a.n_prompt for a in res.agents), 1),
-        "generated": sum(a.n_generated for a in res.agents),
-        "kv_cells_peak": kv_peak,
-        "rss_peak_mib": round(rss / 2**20, 1) if rss else None,
-        "statuses": res.statuses,
-        "errors": errors[:3],
-        "n_errors": len(errors),
-    }
-
-
 def _metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     return {k: after[k] - before.get(k, 0.0) for k in after if "total" in k}
 
@@ -186,25 +101,7 @@ def cell_budget(system: str, n: int, p: int, s: int, g: int) -> tuple[int, int, 
     return system_budget(SERVER_SYSTEMS[system], n, p, s, g)
 
 
-def system_budget(spec: System, n: int, p: int, s: int, g: int) -> tuple[int, int, int]:
-    """:func:`cell_budget` of a system recipe."""
-    if spec.budget == "copies":
-        return ctx_for(n, p, s, g), n + 1, n
-    cells, slots = matched_budget(n, p, s, g)
-    return (cells, n + 1, n) if spec.pool else (cells, slots, slots)
-
-
-def make_inputs(server: LlamaServer, p: int, n: int, s: int, rounds: int = 1) -> tuple[str, list[list[str]]]:
-    """The base text and, per round, every agent's suffix."""
-    c = server.client
-    tok = c.tokenize
-    detok = c.detokenize
-    return base_text(p, tok, detok), [[suffix_text(i, s, tok, detok, r) for i in range(n)] for r in range(rounds)]
-
-
-async def _fanout_round(
-    ctx: SharedContext, agents: list[Agent], kv: KVCellsLog, server: LlamaServer, prime: bool
-) -> Json:
+async def _fanout_round(ctx: Fanout, agents: list[Agent], kv: KVCellsLog, server: LlamaServer, prime: bool) -> Json:
     before = await ctx.client.metrics()
     kv.mark()
     with PeakRSS(server) as rss:
@@ -228,7 +125,7 @@ def run_server_cell(system: str, n: int, p: int, cfg: BenchConfig) -> Json:
 
         async def go() -> list[Json]:
             async with AsyncClient(server.url, server=server, timeout=cfg.cell_timeout) as client:
-                sc = SharedContext(client, BaseContext.from_text(base), share=spec.share, concurrency=concurrency)
+                sc = Fanout(client, BasePrompt.from_text(base), share=spec.share, concurrency=concurrency)
                 kv = KVCellsLog(server.log_path)
                 rounds = []
                 for r in range(cfg.rounds):
@@ -393,7 +290,7 @@ def capacity_probe(system: str, cfg: BenchConfig, deadline: float) -> Json:
             async with AsyncClient(
                 server.url, server=server, timeout=cfg.capacity_timeout + 60, max_connections=slots + 8
             ) as client:  # every agent in flight at once
-                sc = SharedContext(client, BaseContext.from_text(base), share=SERVER_SYSTEMS[system].share)
+                sc = Fanout(client, BasePrompt.from_text(base), share=SERVER_SYSTEMS[system].share)
                 kv = KVCellsLog(server.log_path)
                 if share:
                     await sc.prime()
@@ -444,20 +341,6 @@ def capacity_probe(system: str, cfg: BenchConfig, deadline: float) -> Json:
 
 
 # --------------------------------------------------------------------------- driver
-def machine_info(cfg: BenchConfig) -> Json:
-    import psutil
-
-    return {
-        "cpu": cpu_model(),
-        "logical_cpus": os.cpu_count(),
-        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "load_avg_start": load_avg(),
-        "threads_per_server": cfg.threads,
-    }
-
-
 class Bench:
     """Runs the grid, keeps the results and writes them after every cell."""
 
@@ -481,7 +364,7 @@ class Bench:
         model = resolve_model(cfg.model)
         self.doc = {
             "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()},
-            "machine": machine_info(cfg),
+            "machine": machine_info(cfg.threads),
             "model": str(model),
             "binaries": {k: str(server_binary(k)) for k in ("patched", "upstream")},
             "kv_cells_method": KV_METHOD,

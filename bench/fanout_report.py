@@ -6,10 +6,9 @@ from pathlib import Path
 from typing import Any
 
 from polykv_py.harness.report import fmt, ratio, table
+from polykv_py.jsontypes import Json
 
 from .systems import STOCK, SYSTEMS, best_stock
-
-Json = dict[str, Any]
 
 LABELS = {**{name: spec.label for name, spec in SYSTEMS.items()}, "engine": "in-process engine"}
 

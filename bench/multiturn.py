@@ -31,14 +31,14 @@ from typing import Any
 from polykv_py.client import AsyncClient
 from polykv_py.data.questions import QUESTIONS
 from polykv_py.errors import PolykvError
-from polykv_py.fanout import Agent, BaseContext, SharedContext
+from polykv_py.fanout import Agent, BasePrompt, Fanout
 from polykv_py.harness.kvcells import KVCellsLog
 from polykv_py.llama_server import LlamaServer
 from polykv_py.native import ServerKind
 from polykv_py.results import FanoutResult
 
 from . import RESULTS
-from .fanout import base_text, round_up
+from .common import base_text, round_up
 from .machine import load_avg, machine
 from .systems import SYSTEMS, System, best_stock, start_system_server
 
@@ -117,7 +117,7 @@ def turn_summary(res: FanoutResult, facts: Sequence[str], kv_peak: int | None) -
     }
 
 
-async def run_turns(sc: SharedContext, kv: KVCellsLog, cfg: TurnsConfig, *, prime: bool) -> list[dict[str, Any]]:
+async def run_turns(sc: Fanout, kv: KVCellsLog, cfg: TurnsConfig, *, prime: bool) -> list[dict[str, Any]]:
     """Every turn of every agent on one server; each agent's answers join its own transcript."""
     params = {"n_predict": cfg.gen, "ignore_eos": True, "temperature": 0.0}
     transcripts = [""] * cfg.n
@@ -148,9 +148,7 @@ def run_cell(system_name: str, cfg: TurnsConfig, base: str) -> dict[str, Any]:
 
         async def go() -> list[dict[str, Any]]:
             async with AsyncClient(server.url, server=server, timeout=cfg.timeout) as client:
-                sc = SharedContext(
-                    client, BaseContext.from_text(base), share=system.share, concurrency=min(concurrency, cfg.n)
-                )
+                sc = Fanout(client, BasePrompt.from_text(base), share=system.share, concurrency=min(concurrency, cfg.n))
                 return await run_turns(sc, KVCellsLog(server.log_path), cfg, prime=system.prime)
 
         turns = asyncio.run(asyncio.wait_for(go(), cfg.timeout))

@@ -37,19 +37,19 @@ from pathlib import Path
 from typing import Any
 
 from polykv_py.client import AsyncClient, Request
-from polykv_py.fanout import Agent, BaseContext, SharedContext
+from polykv_py.fanout import Agent, BasePrompt, Fanout
 from polykv_py.harness.kvcells import KV_METHOD, KVCellsLog
 from polykv_py.harness.report import table
+from polykv_py.jsontypes import Json
 from polykv_py.pools import PoolCache
 
 from . import RESULTS
-from .fanout import PeakRSS, machine_info, make_inputs, round_summary, system_budget
+from .common import PeakRSS, machine_info, make_inputs, round_summary, system_budget
 from .systems import SYSTEMS as SERVER_SYSTEMS
 from .systems import System, start_system_server
 
 log = logging.getLogger(__name__)
 
-Json = dict[str, Any]
 
 _STOCK_RESTORE = System(
     "stock_restore", SERVER_SYSTEMS["stock"].kind, ("--no-cache-idle-slots", "--cache-ram", "0"), False, False,
@@ -146,7 +146,7 @@ def run_cell(system: str, n: int, p: int, base: str, suffixes: list[str], cfg: R
                 restore_ms: list[float] = []
                 t0 = time.perf_counter()
                 pool_cache = PoolCache(save_dir) if how == "pool_restore" else None
-                sc = SharedContext(client, BaseContext.from_text(base), share=spec.share, concurrency=concurrency,
+                sc = Fanout(client, BasePrompt.from_text(base), share=spec.share, concurrency=concurrency,
                                    pool_cache=pool_cache)  # fmt: skip
                 agents = [Agent(s, name=f"a{i}", mode="completion", params=params) for i, s in enumerate(suffixes[:n])]
                 if how == "slot_restore":  # N restores, then each agent on its own restored slot
@@ -218,7 +218,7 @@ def run(cfg: RestartConfig) -> Json:
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     doc: Json = {
         "config": {**cfg.__dict__, "out_dir": str(cfg.out_dir)},
-        "machine": machine_info(cfg),  # type: ignore[arg-type]
+        "machine": machine_info(cfg.threads),
         "kv_cells_method": KV_METHOD,
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "cells": [],

@@ -47,6 +47,7 @@ from polykv_py.errors import PolykvError
 from polykv_py.harness.compare import LAYOUT, compare_steps, steps_from_probs
 from polykv_py.harness.report import table
 from polykv_py.harness.texts import repeat_to_tokens
+from polykv_py.jsontypes import Json
 from polykv_py.llama_server import LlamaServer
 from polykv_py.presets import reference_server, serve_server
 from polykv_py.tokens import longest_common_prefix
@@ -59,7 +60,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Json = dict[str, Any]
 Message = dict[str, str]
 
 #: The systems, in the order they run (the first one's turn-1 answers go into every turn-2 history).

@@ -198,7 +198,7 @@ std::string sha256_file(const std::string & path) {
     return f.bad() ? "" : h.hex();
 }
 
-// little-endian int32, as polykv_py.llama.state.tokens_sha256 packs them ("<i")
+// little-endian int32, as polykv_py.prefix_file.tokens_sha256 packs them ("<i")
 std::vector<uint8_t> tokens_le32(const llama_tokens & tokens) {
     std::vector<uint8_t> raw(tokens.size() * 4);
     for (size_t i = 0; i < tokens.size(); ++i) {
@@ -349,7 +349,7 @@ std::string check_dir(const std::string & dir) {
 }
 
 // The cache's secret (POLYKV_KEY_FILE in the directory): read it, or create it (0600) if there is none and create.
-// polykv_py.llama.state reads and creates the same file, so the engine and the server authenticate each other's files.
+// polykv_py.prefix_file reads and creates the same file, so the engine and the server authenticate each other's files.
 std::vector<uint8_t> load_or_create_key(const std::string & dir, std::string & error, bool create = true) {
     std::vector<uint8_t> key(POLYKV_KEY_BYTES);
 #ifdef _WIN32

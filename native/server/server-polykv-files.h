@@ -2,7 +2,7 @@
 
 // polykv pool files (patch 0075): a reserved pool's KV saved to a verified file and restored from it.
 //
-// The container is the one polykv's in-process engine writes (polykv_py/llama/state.py), so a prefix saved by
+// The container is the one polykv's in-process engine writes (polykv_py/prefix_file.py), so a prefix saved by
 // either can be restored into the other (format 3):
 //
 //   "PKVPFX\0\1" (8 bytes) | u32 LE header length | UTF-8 JSON header | llama sequence state | HMAC-SHA256 (32 bytes)

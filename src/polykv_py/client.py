@@ -39,6 +39,7 @@ from typing import Any, Generic, Protocol, TypedDict, TypeVar, Unpack
 import httpx
 
 from .errors import HTTPError, ServerUnavailableError
+from .jsontypes import Json
 from .pools import PoolState, action_body, pool_states
 from .tokens import shared_prefix_len
 
@@ -50,7 +51,8 @@ DEFAULT_TIMEOUT = 600.0
 EXIT_WAIT_S = 1.0
 EXIT_POLL_S = 0.05
 
-Json = dict[str, Any]
+#: The response header naming the replica a gateway (smg) sent a request to (its URL).
+ROUTED_WORKER_HEADER = "x-smg-routed-worker-id"
 #: A prompt: text, or token ids (mixed lists too, as llama-server accepts them).
 Prompt = str | list[Any]
 T = TypeVar("T")
@@ -909,3 +911,8 @@ class AsyncClient(_Base):
     async def pools(self) -> list[PoolState]:
         """The reserved pools' states (see :meth:`Client.pools`)."""
         return pool_states(await self.slots())
+
+
+def routed_replica(headers: Mapping[str, str] | None) -> str | None:
+    """The replica a gateway sent a request to (smg's ``x-smg-routed-worker-id``), else None."""
+    return None if headers is None else headers.get(ROUTED_WORKER_HEADER)

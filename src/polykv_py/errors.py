@@ -81,3 +81,28 @@ class ServerUnavailableError(ServerError):
 
 class GateError(PolykvError):
     """A gate check could not be run (as opposed to a check that ran and failed)."""
+
+
+def first_line(exc: BaseException) -> str:
+    """An error's message without the server log tail that ServerError appends."""
+    return str(exc).split("\n--- server log tail ---", 1)[0]
+
+
+def stale_connection(exc: BaseException) -> bool:
+    """True when a request failed because a kept-alive connection had been closed by the server
+    (nothing was received: safe to send again)."""
+    import httpx
+
+    return isinstance(exc, ServerUnavailableError) and isinstance(
+        exc.__cause__, (httpx.RemoteProtocolError, httpx.ConnectError)
+    )
+
+
+def server_gone(exc: BaseException) -> bool:
+    """True when a request failed because the server is gone, not because of this request: its
+    process is known to have exited, or nothing accepts connections at its address any more."""
+    import httpx
+
+    return isinstance(exc, ServerUnavailableError) and (
+        exc.exit_status is not None or isinstance(exc.__cause__, httpx.ConnectError)
+    )

@@ -1,6 +1,6 @@
 """N agents over one shared base context on a patched llama-server.
 
-A :class:`SharedContext` primes a pool slot with the templated base context, then
+A :class:`Fanout` primes a pool slot with the templated base context, then
 fans agent requests out concurrently.  Every agent request carries
 ``shared_pool_slot`` and ``shared_prefix_n_tokens`` = P, where P is the common
 prefix of the *tokenized* pool prompt and the *tokenized* agent prompt (never
@@ -16,8 +16,8 @@ saves one after computing it, so a base is computed once, across restarts.
 
 Typical use::
 
-    base = BaseContext.chat(system="You review designs.", document=text)
-    async with SharedContext.connect("http://127.0.0.1:8080", base) as ctx:
+    base = BasePrompt.chat(system="You review designs.", document=text)
+    async with Fanout.connect("http://127.0.0.1:8080", base) as ctx:
         result = await ctx.run([Agent("List the risks."), Agent("Summarize.")])
 
 or synchronously: ``run_fanout(base, agents, server=url_or_LlamaServer)``.
@@ -32,16 +32,25 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
 
-from .client import CHAT, COMPLETION, DEFAULT_TIMEOUT, AsyncClient, PoolFeatures, Share, aggregate, generation_body
-from .errors import HTTPError, PolykvError, ServerUnavailableError
-from .gateway import ROUTED_WORKER_HEADER
-from .pools import PoolCache, pool_file_name, report_failed_restore
-from .results import ERROR, NOT_SHARED, REPRIME_STATUSES, AgentResult, FanoutResult, Mode, PrimeResult
+from .client import (
+    CHAT,
+    COMPLETION,
+    DEFAULT_TIMEOUT,
+    AsyncClient,
+    PoolFeatures,
+    Share,
+    aggregate,
+    generation_body,
+    routed_replica,
+)
+from .errors import HTTPError, PolykvError, ServerUnavailableError, first_line, server_gone, stale_connection
+from .jsontypes import Json
+from .pools import PoolCache, pool_file_name
+from .results import ERROR, NOT_SHARED, AgentResult, FanoutResult, Mode, PrimeResult, needs_reprime
 from .tokens import shared_prefix_len
 
 log = logging.getLogger(__name__)
 
-Json = dict[str, Any]
 
 #: The endpoint each agent mode is sent to.
 ENDPOINTS: dict[Mode, str] = {"completion": COMPLETION, "chat": CHAT}
@@ -53,7 +62,7 @@ class FanoutError(PolykvError):
 
 # --------------------------------------------------------------------------- inputs
 @dataclass(frozen=True)
-class BaseContext:
+class BasePrompt:
     """The shared part of every agent's prompt: plain text, or chat messages.
 
     Completion agents see ``text + instructions``; chat agents see ``messages`` plus a
@@ -72,12 +81,12 @@ class BaseContext:
             raise FanoutError("the base context has no messages")
 
     @classmethod
-    def from_text(cls, text: str) -> BaseContext:
+    def from_text(cls, text: str) -> BasePrompt:
         """A plain-text base (completion agents append their instructions to it)."""
         return cls(text=text)
 
     @classmethod
-    def chat(cls, *, system: str | None = None, document: str | None = None) -> BaseContext:
+    def chat(cls, *, system: str | None = None, document: str | None = None) -> BasePrompt:
         """A chat base: one system message holding the system prompt and the shared document."""
         parts = [p for p in (system, document) if p]
         if not parts:
@@ -85,7 +94,7 @@ class BaseContext:
         return cls(messages=({"role": "system", "content": "\n\n".join(parts)},))
 
     @classmethod
-    def from_messages(cls, messages: Sequence[Mapping[str, Any]]) -> BaseContext:
+    def from_messages(cls, messages: Sequence[Mapping[str, Any]]) -> BasePrompt:
         """A chat base from explicit messages."""
         return cls(messages=tuple(dict(m) for m in messages))
 
@@ -108,13 +117,13 @@ class Agent:
     mode: Mode | None = None
     params: Mapping[str, Any] = field(default_factory=dict)
 
-    def resolved_mode(self, base: BaseContext) -> Mode:
+    def resolved_mode(self, base: BasePrompt) -> Mode:
         mode = self.mode or ("chat" if base.is_chat else "completion")
         if mode not in ("completion", "chat"):
             raise FanoutError(f"agent mode must be 'completion' or 'chat', not {mode!r}")
         return mode
 
-    def messages(self, base: BaseContext) -> list[Json]:
+    def messages(self, base: BasePrompt) -> list[Json]:
         """The chat messages of this agent."""
         if base.messages is not None:
             head = [dict(m) for m in base.messages]
@@ -122,7 +131,7 @@ class Agent:
             head = [{"role": "system", "content": base.text}]
         return [*head, {"role": "user", "content": self.instructions}]
 
-    def prompt(self, base: BaseContext) -> str:
+    def prompt(self, base: BasePrompt) -> str:
         """The completion prompt of this agent (the base text followed by the instructions)."""
         if base.text is None:
             raise FanoutError("a completion agent needs a text base (use chat mode over chat messages)")
@@ -156,43 +165,6 @@ def answer_text(final: Json, mode: Mode | str) -> tuple[str, str | None]:
     return str(msg.get("content") or choices[0].get("text") or ""), choices[0].get("finish_reason")
 
 
-def first_line(exc: BaseException) -> str:
-    """An error's message without the server log tail that ServerError appends."""
-    return str(exc).split("\n--- server log tail ---", 1)[0]
-
-
-def stale_connection(exc: BaseException) -> bool:
-    """True when a request failed because a kept-alive connection had been closed by the server
-    (nothing was received: safe to send again)."""
-    import httpx
-
-    return isinstance(exc, ServerUnavailableError) and isinstance(
-        exc.__cause__, (httpx.RemoteProtocolError, httpx.ConnectError)
-    )
-
-
-def server_gone(exc: BaseException) -> bool:
-    """True when a request failed because the server is gone, not because of this request: its
-    process is known to have exited, or nothing accepts connections at its address any more."""
-    import httpx
-
-    return isinstance(exc, ServerUnavailableError) and (
-        exc.exit_status is not None or isinstance(exc.__cause__, httpx.ConnectError)
-    )
-
-
-def needs_reprime(status: str, *, server_prefix: bool = False) -> bool:
-    """True when ``status`` says the pool no longer holds the base. When the server computes P,
-    ``no_prefix`` says so too: every agent's prompt starts with the base, so only a pool that
-    lost it has nothing in common with the prompt."""
-    return status in REPRIME_STATUSES or (server_prefix and status == "no_prefix")
-
-
-def routed_replica(headers: Mapping[str, str] | None) -> str | None:
-    """The replica a gateway sent a request to (smg's ``x-smg-routed-worker-id``), else None."""
-    return None if headers is None else headers.get(ROUTED_WORKER_HEADER)
-
-
 def token_probs(final: Json) -> list[Json] | None:
     """The per-token probabilities of an answer (``n_probs``), native or OpenAI-shaped; None without them."""
     probs = final.get("completion_probabilities")
@@ -208,7 +180,7 @@ def server_shared(sp: Json | None) -> int:
 
 
 # --------------------------------------------------------------------------- the object
-class SharedContext:
+class Fanout:
     """A base context held once in a pool slot, and the agents fanned out over it.
 
     ``client`` is an :class:`~polykv_py.client.AsyncClient` (the caller keeps
@@ -236,7 +208,7 @@ class SharedContext:
     def __init__(
         self,
         client: AsyncClient,
-        base: BaseContext,
+        base: BasePrompt,
         *,
         pool_slot: int = 0,
         concurrency: int | None = None,
@@ -250,7 +222,7 @@ class SharedContext:
     ) -> None:
         self.client = client
         #: where the pool lives and tokens are counted: the same server, unless requests go through a
-        #: gateway (:class:`~polykv_py.routing.RoutedContext` points it at the pool's replica)
+        #: gateway (:class:`~polykv_py.routing.RoutedFanout` points it at the pool's replica)
         self.pool_client = client
         self.base = base
         self.pool_slot = pool_slot
@@ -280,14 +252,14 @@ class SharedContext:
     def connect(
         cls,
         url: str,
-        base: BaseContext,
+        base: BasePrompt,
         *,
         api_key: str | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         max_connections: int = 64,
         server: Any = None,
         **kwargs: Any,
-    ) -> SharedContext:
+    ) -> Fanout:
         """A shared context on the server at ``url`` (owns its client: use ``async with``).
 
         ``timeout``: seconds a request may wait for the next bytes; ``max_connections``
@@ -423,10 +395,10 @@ class SharedContext:
                 self.pool_slot, name, tokens=tokens, cache_salt=self.cache_salt
             )
         except HTTPError as exc:
-            report_failed_restore(exc, name)
+            PoolCache.restore_failed(exc, name)
             return None
         wall = time.perf_counter() - t0
-        self.pool_cache.touch(name)
+        self.pool_cache.restored(name)
         ms = (answer.get("timings") or {}).get("restore_ms")
         return PrimeResult(0, len(tokens), 0, wall, reason, restored_from=name, restore_ms=ms)
 
@@ -472,10 +444,7 @@ class SharedContext:
         except HTTPError as exc:
             log.warning("could not save pool slot %d to %s: %s", self.pool_slot, name, exc.server_message)
             return None
-        try:
-            self.pool_cache.evict(keep=[name])
-        except OSError as exc:
-            log.warning("pool cache %s: could not trim it after saving %s: %s", self.pool_cache.directory, name, exc)
+        self.pool_cache.saved(name)
         return name
 
     async def ensure_primed(self) -> None:
@@ -697,8 +666,13 @@ class SharedContext:
 
 
 # --------------------------------------------------------------------------- sync helper
+#: The names of 0.1.0 (a fan-out is not a context: :class:`polykv_py.llama.Context` is one), kept for one release.
+BaseContext = BasePrompt
+SharedContext = Fanout
+
+
 def run_fanout(
-    base: BaseContext,
+    base: BasePrompt,
     agents: Sequence[Agent],
     *,
     server: Any,
@@ -707,14 +681,14 @@ def run_fanout(
 ) -> FanoutResult:
     """Run a fan-out synchronously. ``server`` is a URL or a running :class:`~polykv_py.llama_server.LlamaServer`.
 
-    ``kwargs`` go to :class:`SharedContext` (``pool_slot``, ``concurrency``, ``share`` ...).
+    ``kwargs`` go to :class:`Fanout` (``pool_slot``, ``concurrency``, ``share`` ...).
     """
     url = server if isinstance(server, str) else server.url
     key = api_key if api_key is not None or isinstance(server, str) else getattr(server, "api_key", None)
     process = None if isinstance(server, str) else server  # errors then carry its exit status and log tail
 
     async def main() -> FanoutResult:
-        async with SharedContext.connect(url, base, api_key=key, server=process, **kwargs) as ctx:
+        async with Fanout.connect(url, base, api_key=key, server=process, **kwargs) as ctx:
             return await ctx.run(agents)
 
     return asyncio.run(main())

@@ -54,8 +54,6 @@ log = logging.getLogger(__name__)
 
 #: The header smg's ``manual`` policy pins to one replica.
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
-#: The response header naming the replica that answered (its URL).
-ROUTED_WORKER_HEADER = "x-smg-routed-worker-id"
 #: smg refuses longer routing keys.
 MAX_ROUTING_KEY_BYTES = 128
 
@@ -83,7 +81,7 @@ class GatewayOptions:
     The defaults suit replicas on one machine or one rack: a probe a second, a replica out of
     rotation after 2 failed probes or 2 failed requests (circuit breaker), back after one good
     probe, and one resend at most (a request is replayed only on another replica's pool when the
-    client asks, :class:`~polykv_py.routing.RoutedContext`).
+    client asks, :class:`~polykv_py.routing.RoutedFanout`).
     """
 
     policy: Policy = "manual"

@@ -25,9 +25,10 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 import httpx
@@ -340,7 +341,7 @@ class LlamaServer(LoggedChild):
         """Stop the process (or reap it, if it died) and start it again, on the same port when it is free.
 
         Keeping the port keeps :attr:`url` valid for clients made before the restart (e.g. a
-        :class:`~polykv_py.fanout.SharedContext` re-primes through the same client). Only when
+        :class:`~polykv_py.fanout.Fanout` re-primes through the same client). Only when
         no port was requested and the old one has been taken in between is a new free port
         chosen (logged; read :attr:`url` again). The KV cache starts empty: re-prime pools.
         """
@@ -488,3 +489,32 @@ def _redact(cmd: list[str]) -> list[str]:
         if arg == "--api-key":
             out[i + 1] = "***"
     return out
+
+
+class Stop(Exception):  # noqa: N818 - a signal, not an error
+    """Raised in the main thread by SIGTERM or SIGINT (:func:`stop_on_signals`): a launcher stops its servers."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """SIGTERM and SIGINT raise :class:`Stop` once (later ones are ignored while stopping)."""
+    raised = False
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        nonlocal raised
+        if raised:
+            log.info("%s: already stopping", signal.Signals(signum).name)
+            return
+        raised = True
+        raise Stop(signum)
+
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, prev in old.items():
+            signal.signal(sig, prev)

@@ -2,7 +2,7 @@
 
 The patched server (patch 0075) saves a reserved pool with ``POST /slots/N?action=save`` and
 restores one with ``?action=restore`` into files under its ``--slot-save-path``, in the verified
-container of :mod:`polykv_py.llama.state` (the in-process engine reads and writes the same
+container of :mod:`polykv_py.prefix_file` (the in-process engine reads and writes the same
 files). A restore is checked against the model (GGUF sha256 and shape), the KV layout, the
 tokens the caller expects and the pool's ``cache_salt`` before the pool is touched, and is
 refused with HTTP 400 otherwise.
@@ -29,15 +29,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from .cache import cache_dir
 from .errors import HTTPError, StateError
-from .llama.state import read_prefix_header, tokens_sha256
+from .jsontypes import Json
+from .prefix_file import read_prefix_header, tokens_sha256
 
 log = logging.getLogger(__name__)
 
-Json = dict[str, Any]
 
 #: Suffix of the files :func:`pool_file_name` names.
 POOL_FILE_SUFFIX = ".pkvpool"
@@ -192,13 +191,6 @@ def is_missing(exc: HTTPError) -> bool:
     return exc.status == 400 and "no such file" in exc.server_message
 
 
-def report_failed_restore(exc: HTTPError, name: str) -> None:
-    """After a restore failed: a miss (no such file) is silent; a refused file is logged as replaced
-    (the caller primes the pool and saves it again under the same name)."""
-    if not is_missing(exc):
-        log.warning("pool file %s refused (%s): priming and saving it again", name, exc.server_message)
-
-
 @dataclass(frozen=True)
 class PoolCacheEntry:
     """One file of a :class:`PoolCache` (or a partial file a save is writing or a killed save left)."""
@@ -306,6 +298,25 @@ class PoolCache:
         return sum(
             st.st_size for p, st in self._listing() if p.name.endswith(POOL_FILE_SUFFIX) or PARTIAL_MARK in p.name
         )
+
+    # -- the lifecycle of a pool file: each caller makes the HTTP call, then tells the cache what happened
+    def saved(self, name: str) -> None:
+        """``name`` was just saved: trim the cache to its size limit, keeping ``name`` (a failure is logged)."""
+        try:
+            self.evict(keep=[name])
+        except OSError as exc:
+            log.warning("pool cache %s: could not trim it after saving %s: %s", self.directory, name, exc)
+
+    def restored(self, name: str) -> None:
+        """``name`` was just restored: mark it used now, so eviction keeps it longest."""
+        self.touch(name)
+
+    @staticmethod
+    def restore_failed(exc: HTTPError, name: str, *, then: str = "priming and saving it again") -> None:
+        """A restore of ``name`` failed: a miss (no such file) is silent, a refused file is logged with the
+        server's reason and what the caller does ``then``."""
+        if not is_missing(exc):
+            log.warning("pool file %s refused (%s): %s", name, exc.server_message or exc, then)
 
     def touch(self, name: str) -> None:
         """Mark ``name`` as used now (its mtime), so eviction keeps it longest."""

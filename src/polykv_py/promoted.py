@@ -21,12 +21,11 @@ from dataclasses import dataclass
 
 from .client import Client
 from .errors import HTTPError, StateError
-from .llama.state import read_prefix_header
-from .pools import PROMOTED_FILE_PREFIX, PoolCache, PoolCacheEntry, PoolState, is_missing, promoted_file_name
+from .jsontypes import Json
+from .pools import PROMOTED_FILE_PREFIX, PoolCache, PoolCacheEntry, PoolState, promoted_file_name
+from .prefix_file import read_prefix_header
 
 log = logging.getLogger(__name__)
-
-Json = dict[str, object]
 
 
 def promoted_files(cache: PoolCache, identity: Json) -> list[PoolCacheEntry]:
@@ -72,10 +71,9 @@ def restore_promoted(client: Client, cache: PoolCache, slots: Sequence[int]) -> 
             try:
                 client.restore_pool(slot, entry.name, promoted=True)
             except HTTPError as exc:
-                if not is_missing(exc):
-                    log.warning("promoted pool file %s refused: %s", entry.name, exc.server_message or exc)
+                cache.restore_failed(exc, entry.name, then="trying the next one")
                 continue
-            cache.touch(entry.name)
+            cache.restored(entry.name)
             n_tokens = entry.n_tokens or 0
             log.info("pool slot %d: promoted prefix, %d tokens, restored from %s", slot, n_tokens, entry.name)
             out.append(RestoredPool(slot, entry.name, n_tokens))
@@ -132,8 +130,5 @@ class PromotedPoolKeeper:
                 log.warning("pool slot %d: could not save its promoted prefix as %s: %s", pool.slot, name, why)
             return False
         log.info("pool slot %d: saved its promoted prefix (%s tokens) as %s", pool.slot, pool.n_tokens, name)
-        try:
-            self.cache.evict(keep=[name])
-        except OSError as exc:
-            log.warning("pool cache %s: could not trim it after saving %s: %s", self.cache.directory, name, exc)
+        self.cache.saved(name)
         return True

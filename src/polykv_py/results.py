@@ -9,9 +9,10 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
-Json = dict[str, Any]
+from .jsontypes import Json
+
 #: How a fan-out agent is sent: ``/completion`` with a text prompt, or ``/v1/chat/completions``.
 Mode = Literal["completion", "chat"]
 #: How the in-process engine gives agents their prefix.
@@ -179,3 +180,10 @@ class EngineRunResult:
     tokens_processed: int  # every token put through llama_decode in this run
     timings: dict[str, float]  # prefix_s, share_s, suffix_s, generate_s, wall_s
     kv_cells: dict[str, int] | None = None  # after_prefix, [after_share], after_suffixes, final
+
+
+def needs_reprime(status: str, *, server_prefix: bool = False) -> bool:
+    """True when ``status`` says the pool no longer holds the base. When the server computes P,
+    ``no_prefix`` says so too: every agent's prompt starts with the base, so only a pool that
+    lost it has nothing in common with the prompt."""
+    return status in REPRIME_STATUSES or (server_prefix and status == "no_prefix")

@@ -13,7 +13,7 @@ slot, pool files). It also picks the pool slot on a replica (:meth:`Router.claim
 that already holds the pool's tokens, else an empty one, else the least recently used that no
 other pool of this process holds.
 
-:class:`RoutedContext` is a :class:`~polykv_py.fanout.SharedContext` whose agents go through the
+:class:`RoutedFanout` is a :class:`~polykv_py.fanout.Fanout` whose agents go through the
 gateway. When an answer comes from another replica than the pool's (the gateway moved the key:
 a replica failed or came back), the answer stands (the server recomputed the prefix, it is
 correct) and the pool is placed on the new replica (restored from the pool cache or primed) for
@@ -36,26 +36,16 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .client import CHAT, DEFAULT_TIMEOUT, OAI_COMPLETION, AsyncClient, Request, Share
-from .errors import HTTPError, PolykvError, ServerUnavailableError
-from .fanout import (
-    Agent,
-    BaseContext,
-    FanoutError,
-    ProgressCallback,
-    SharedContext,
-    first_line,
-    needs_reprime,
-    routed_replica,
-    server_gone,
-)
+from .client import CHAT, DEFAULT_TIMEOUT, OAI_COMPLETION, AsyncClient, Request, Share, routed_replica
+from .errors import HTTPError, PolykvError, ServerUnavailableError, first_line, server_gone
+from .fanout import Agent, BasePrompt, Fanout, FanoutError, ProgressCallback
 from .gateway import MAX_ROUTING_KEY_BYTES, ROUTING_KEY_HEADER, worker_list
+from .jsontypes import Json
 from .pools import pool_states
-from .results import AgentResult, FanoutResult, Mode, PrimeResult
+from .results import AgentResult, FanoutResult, Mode, PrimeResult, needs_reprime
 
 log = logging.getLogger(__name__)
 
-Json = dict[str, Any]
 
 #: The model id every replica reports (``llama-server --alias``); requests must name it.
 DEFAULT_MODEL = "polykv"
@@ -64,7 +54,7 @@ DEFAULT_MOVE_TIMEOUT = 30.0
 _URL_IN_MESSAGE = re.compile(r"URL: (https?://[^/\s]+)")
 
 
-def routing_key(model: str, base: BaseContext, cache_salt: str | None = None) -> str:
+def routing_key(model: str, base: BasePrompt, cache_salt: str | None = None) -> str:
     """The gateway routing key of a pool: ``pool-`` and 48 hex digits of a sha256.
 
     It covers the model id the replicas serve, the base exactly as the client holds it (text, or
@@ -176,9 +166,9 @@ class Router:
             )
         return self._replicas[url]
 
-    def context(self, base: BaseContext, **kwargs: Any) -> RoutedContext:
-        """A :class:`RoutedContext` for ``base`` through this gateway (``kwargs`` as for it)."""
-        return RoutedContext(self, base, **kwargs)
+    def context(self, base: BasePrompt, **kwargs: Any) -> RoutedFanout:
+        """A :class:`RoutedFanout` for ``base`` through this gateway (``kwargs`` as for it)."""
+        return RoutedFanout(self, base, **kwargs)
 
     async def locate(self, key: str, *, avoid: str | None = None) -> str:
         """The replica the gateway routes ``key`` to now (one generated token on it).
@@ -262,8 +252,8 @@ class Router:
                 del self._claims[claim]
 
 
-class RoutedContext(SharedContext):
-    """A :class:`~polykv_py.fanout.SharedContext` whose agents go through a gateway, with pool affinity.
+class RoutedFanout(Fanout):
+    """A :class:`~polykv_py.fanout.Fanout` whose agents go through a gateway, with pool affinity.
 
     Every agent request carries the pool's routing key (:attr:`key`) and goes to the gateway's
     OpenAI routes (completion agents to ``/v1/completions``). The pool lives on :attr:`home`, the
@@ -271,15 +261,15 @@ class RoutedContext(SharedContext):
     (the gateway routed an answer elsewhere, or a replica failed) places it again and is
     recorded in :attr:`moves`. ``retry``: send a request that failed on a replica again after
     the move (more than once only while the gateway still routes the key to a failed replica, for at
-    most the router's ``move_timeout``). ``cache_salt`` goes into the key and, as for ``SharedContext``, into
+    most the router's ``move_timeout``). ``cache_salt`` goes into the key and, as for ``Fanout``, into
     the prime, the pool file's name, its save and restore, and every agent request. Other options as for
-    ``SharedContext`` (``pool_slot`` is chosen per replica and ignored).
+    ``Fanout`` (``pool_slot`` is chosen per replica and ignored).
     """
 
     def __init__(
         self,
         router: Router,
-        base: BaseContext,
+        base: BasePrompt,
         *,
         retry: bool = True,
         cache_salt: str | None = None,
@@ -375,7 +365,7 @@ class RoutedContext(SharedContext):
             elif (
                 self.share and self.reprime and needs_reprime(res.status, server_prefix=await self.uses_server_prefix())
             ):
-                await SharedContext._reprime_after(self, generation, res.status)
+                await Fanout._reprime_after(self, generation, res.status)
             return res
 
     async def _run(
@@ -387,3 +377,7 @@ class RoutedContext(SharedContext):
     async def aclose(self) -> None:
         self.router.release(self.key)
         await super().aclose()
+
+
+#: The name of 0.1.0, kept for one release.
+RoutedContext = RoutedFanout

@@ -14,25 +14,22 @@ launcher exit with the child's status and the tail of its log.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any, Literal, TextIO
 
 from .client import Client
 from .errors import HTTPError, PolykvError, ServerError
-from .llama_server import LlamaServer
+from .llama_server import LlamaServer, Stop, stop_on_signals
 from .models import is_default_model, resolve_model
 from .native import ServerKind, server_binary
-from .pools import PoolCache, pool_file_name, report_failed_restore
+from .pools import PoolCache, pool_file_name
 from .presets import (
     NO_SHARE_ANY,
     POOL_AUTO,
@@ -132,7 +129,7 @@ def prime_pools(
         t0 = time.perf_counter()
         if name is not None and tokens is not None and _restore(client, pool.slot, name, tokens, salt):
             assert cache is not None
-            cache.touch(name)
+            cache.restored(name)
             primed = PrimedPool(pool.slot, source, len(prompt), time.perf_counter() - t0, restored_from=name)
         else:
             answer = client.prime(prompt, pool.slot, **params)
@@ -183,10 +180,7 @@ def _save(client: Client, cache: PoolCache, slot: int, source: str, name: str, s
             exc.server_message or exc,
         )
         return False
-    try:
-        cache.evict(keep=[name])
-    except OSError as exc:
-        log.warning("pool cache %s: could not trim it after saving %s: %s", cache.directory, name, exc)
+    cache.saved(name)
     return True
 
 
@@ -195,7 +189,7 @@ def _restore(client: Client, slot: int, name: str, tokens: list[int], salt: str 
     try:
         client.restore_pool(slot, name, tokens=tokens, cache_salt=salt)
     except HTTPError as exc:
-        report_failed_restore(exc, name)
+        PoolCache.restore_failed(exc, name)
         return False
     return True
 
@@ -348,35 +342,6 @@ def _last_flag(args: Sequence[str]) -> str | None:
     return flags[-1] if flags else None
 
 
-class _Stop(Exception):  # noqa: N818 - a signal, not an error
-    """Raised in the main thread by SIGTERM or SIGINT."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-@contextlib.contextmanager
-def _stop_on_signals() -> Iterator[None]:
-    """SIGTERM and SIGINT raise :class:`_Stop` once (later ones are ignored while stopping)."""
-    raised = False
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        nonlocal raised
-        if raised:
-            log.info("%s: already stopping", signal.Signals(signum).name)
-            return
-        raised = True
-        raise _Stop(signum)
-
-    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for sig, prev in old.items():
-            signal.signal(sig, prev)
-
-
 def exit_code(status: int | None) -> int:
     """A process exit status as the launcher's own exit code (killed by signal N: 128 + N)."""
     if status is None:
@@ -399,10 +364,10 @@ def supervise(
     not be started or primed.
     """
     out = out if out is not None else sys.stdout
-    with _stop_on_signals():
+    with stop_on_signals():
         try:
             return _run(server, pools, salt, out, cache)
-        except _Stop as stop:
+        except Stop as stop:
             log.info("%s: stopping llama-server (pid %s)", stop, server.pid if server.is_alive() else "-")
             status = server.stop()
             log.info("llama-server stopped (exit status %s)", status)

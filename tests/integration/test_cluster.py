@@ -1,7 +1,7 @@
 """Replicas behind the real gateway (smg): pool affinity, answers, and a replica killed mid fan-out.
 
 3 patched replicas (1 thread, small contexts, 3 pool slots each) behind ``smg launch --policy
-manual``; 12 agents over 3 bases through :class:`~polykv_py.routing.RoutedContext`. Loopback only.
+manual``; 12 agents over 3 bases through :class:`~polykv_py.routing.RoutedFanout`. Loopback only.
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ import pytest
 
 from polykv_py.client import AsyncClient
 from polykv_py.cluster import Cluster, ClusterConfig
-from polykv_py.fanout import Agent, BaseContext, SharedContext
+from polykv_py.fanout import Agent, BasePrompt, Fanout
 from polykv_py.harness.compare import LAYOUT, compare_steps, steps_from_probs
-from polykv_py.llama.state import tokens_sha256
 from polykv_py.pools import PoolCache, pool_states
+from polykv_py.prefix_file import tokens_sha256
 from polykv_py.presets import serve_server
 from polykv_py.results import AgentResult, FanoutResult
-from polykv_py.routing import RoutedContext, Router
+from polykv_py.routing import RoutedFanout, Router
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # 3 replicas and the gateway, plus a single server
 
@@ -45,12 +45,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield c
 
 
-async def fan_out_all(router: Router, contexts: list[RoutedContext], n_predict: int = 12) -> list[FanoutResult]:
+async def fan_out_all(router: Router, contexts: list[RoutedFanout], n_predict: int = 12) -> list[FanoutResult]:
     return list(await asyncio.gather(*(ctx.run(agents(n_predict)) for ctx in contexts)))
 
 
-def contexts_for(router: Router, cluster: Cluster) -> list[RoutedContext]:
-    return [router.context(BaseContext.from_text(b), concurrency=4, pool_cache=cluster.pool_cache) for b in BASES]
+def contexts_for(router: Router, cluster: Cluster) -> list[RoutedFanout]:
+    return [router.context(BasePrompt.from_text(b), concurrency=4, pool_cache=cluster.pool_cache) for b in BASES]
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def single_server_answers(tmp_path_factory: pytest.TempPathFactory) -> list[list
         out = []
         async with AsyncClient(srv.url) as client:
             for slot, base in enumerate(BASES):
-                ctx = SharedContext(client, BaseContext.from_text(base), pool_slot=slot, concurrency=4)
+                ctx = Fanout(client, BasePrompt.from_text(base), pool_slot=slot, concurrency=4)
                 res = await ctx.run(agents())
                 assert all(a.status == "hit" for a in res.agents), res.statuses
                 out.append(res.agents)

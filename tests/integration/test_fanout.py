@@ -13,7 +13,7 @@ import pytest
 
 from polykv_py.client import AsyncClient
 from polykv_py.data import sample_document
-from polykv_py.fanout import Agent, BaseContext, SharedContext
+from polykv_py.fanout import Agent, BasePrompt, Fanout
 from polykv_py.harness.kvcells import KVCellsLog
 from polykv_py.llama_server import LlamaServer
 from polykv_py.presets import pool_server
@@ -39,10 +39,10 @@ def server(patched_server_bin: Path, model_path: Path) -> Iterator[LlamaServer]:
         yield srv
 
 
-def fanout(server: LlamaServer, base: BaseContext, agents: list[Agent], **kw: Any) -> tuple[FanoutResult, dict]:
+def fanout(server: LlamaServer, base: BasePrompt, agents: list[Agent], **kw: Any) -> tuple[FanoutResult, dict]:
     async def main() -> tuple[FanoutResult, dict]:
         async with AsyncClient(server.url, server=server) as client:
-            ctx = SharedContext(client, base, **kw)
+            ctx = Fanout(client, base, **kw)
             res = await ctx.run(agents)
             pool = await ctx.pool_tokens()
             prompts = [await ctx.agent_tokens(a) for a in agents]
@@ -57,7 +57,7 @@ def completion_agents() -> list[Agent]:
 
 
 def test_completion_fanout_shares_the_verified_prefix(server: LlamaServer) -> None:
-    base = BaseContext.from_text(base_text())
+    base = BasePrompt.from_text(base_text())
     kv = KVCellsLog(server.log_path)
     kv.mark()
     res, toks = fanout(server, base, completion_agents())
@@ -78,7 +78,7 @@ def test_completion_fanout_shares_the_verified_prefix(server: LlamaServer) -> No
 
 
 def test_chat_fanout_hits(server: LlamaServer) -> None:
-    base = BaseContext.chat(system="Answer briefly.", document=base_text())
+    base = BasePrompt.chat(system="Answer briefly.", document=base_text())
     agents = [Agent(q, params={"max_tokens": 8, "temperature": 0.0}) for q in QUESTIONS[:2]]
     res, toks = fanout(server, base, agents)
     for agent, prompt in zip(res.agents, toks["prompts"], strict=True):
@@ -90,7 +90,7 @@ def test_chat_fanout_hits(server: LlamaServer) -> None:
 
 
 def test_reprime_when_the_pool_is_not_resident(server: LlamaServer) -> None:
-    base = BaseContext.from_text(base_text())
+    base = BasePrompt.from_text(base_text())
     agents = completion_agents()
 
     async def erase(client: AsyncClient, slots: range) -> None:
@@ -99,7 +99,7 @@ def test_reprime_when_the_pool_is_not_resident(server: LlamaServer) -> None:
 
     async def main() -> tuple[FanoutResult, FanoutResult]:
         async with AsyncClient(server.url, server=server) as client:
-            ctx = SharedContext(client, base)
+            ctx = Fanout(client, base)
             await ctx.prime()
             await erase(client, range(4))  # evict everything, the pool included
             missed = await ctx.run(agents)  # all at once, into empty slots
@@ -122,7 +122,7 @@ def test_reprime_when_the_pool_is_not_resident(server: LlamaServer) -> None:
 def test_the_server_computes_p_and_agrees_with_the_client(server: LlamaServer) -> None:
     """pool_server reserves its pool, so a patched server that computes P says so in /props: the fan-out then
     sends shared_pool_slot alone, and the server's P is the one the client computes (server_prefix=False)."""
-    base = BaseContext.from_text(base_text())
+    base = BasePrompt.from_text(base_text())
     agents = completion_agents()[:2]
 
     async def main() -> tuple[FanoutResult, FanoutResult, bool]:
@@ -131,7 +131,7 @@ def test_the_server_computes_p_and_agrees_with_the_client(server: LlamaServer) -
             for server_prefix in (None, False):
                 for slot in range(1, 4):  # no agent slot's own cache in the way
                     await client.erase_slot(slot)
-                runs.append(await SharedContext(client, base, server_prefix=server_prefix).run(agents))
+                runs.append(await Fanout(client, base, server_prefix=server_prefix).run(agents))
             return runs[0], runs[1], (await client.pool_features()).server_prefix
 
     auto, sent, offered = asyncio.run(main())

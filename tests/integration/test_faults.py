@@ -2,7 +2,7 @@
 
 - SIGKILL while agents generate: the fan-out raises ServerUnavailableError with the exit status and
   the server's log tail; LlamaServer.restart() brings the server back on the same port; the same
-  SharedContext primes the pool again and its agents hit; no llama-server process is left.
+  Fanout primes the pool again and its agents hit; no llama-server process is left.
 - SIGTERM while agents stream: llama-server exits with status 0. It only notices the shutdown in a
   streaming handler at the stream's next SSE ping (--sse-ping-interval, 30 s by default: upstream
   behaviour), so the server here runs with --sse-ping-interval 1 and exits within a few seconds.
@@ -34,13 +34,13 @@ import pytest
 
 from polykv_py.client import AsyncClient
 from polykv_py.errors import ServerUnavailableError
-from polykv_py.fanout import Agent, BaseContext, SharedContext
+from polykv_py.fanout import Agent, BasePrompt, Fanout
 from polykv_py.presets import pool_server
 from polykv_py.results import FanoutResult
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # fan-outs killed, stopped and overfilled, servers restarted
 
-BASE = BaseContext.from_text(
+BASE = BasePrompt.from_text(
     "Team notes: the build runs nightly, the release ships on Fridays, and reviews are due within two days.\n"
 )
 LONG = {"n_predict": 400, "ignore_eos": True, "temperature": 0.0}  # still generating when the fault comes
@@ -107,7 +107,7 @@ def test_sigkill_mid_fanout_then_restart_and_reprime(patched_server_bin: Path, m
 
         async def scenario() -> tuple[ServerUnavailableError, FanoutResult, float]:
             async with srv.async_client() as client:
-                ctx = SharedContext(client, BASE)
+                ctx = Fanout(client, BASE)
                 run = asyncio.ensure_future(ctx.run(agents(LONG)))
                 await wait_generating(client, run, len(QUESTIONS))
                 os.kill(first_pid, signal.SIGKILL)
@@ -168,7 +168,7 @@ def test_sigterm_mid_fanout_exits_cleanly(patched_server_bin: Path, model_path: 
 
         async def scenario() -> tuple[ServerUnavailableError, int | None, float]:
             async with srv.async_client() as client:
-                run = asyncio.ensure_future(SharedContext(client, BASE).run(agents(LONG)))
+                run = asyncio.ensure_future(Fanout(client, BASE).run(agents(LONG)))
                 await wait_generating(client, run, len(QUESTIONS))
                 t0 = time.monotonic()
                 status = await asyncio.to_thread(srv.stop, 20)  # SIGTERM, SIGKILL only after 20 s
@@ -213,7 +213,7 @@ def test_more_agents_than_the_context_holds(patched_server_bin: Path, model_path
 
         async def scenario() -> tuple[FanoutResult, list[int], FanoutResult, FanoutResult | None]:
             async with srv.async_client() as client:
-                ctx = SharedContext(client, BASE)
+                ctx = Fanout(client, BASE)
                 n_prompt = [len(await ctx.agent_tokens(a)) for a in [*crowd, huge]]
                 res = await ctx.run(crowd)
                 alone = await ctx.run([huge])

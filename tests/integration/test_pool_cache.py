@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from polykv_py.fanout import Agent, BaseContext, SharedContext
+from polykv_py.fanout import Agent, BasePrompt, Fanout
 from polykv_py.pools import PoolCache
 from polykv_py.presets import pool_server
 
@@ -23,7 +23,7 @@ GEN = {"n_predict": 8, "temperature": 0}
 
 
 async def fan_out(url: str, cache: PoolCache) -> tuple[list[str], list[int], list[str | None]]:
-    async with SharedContext.connect(url, BaseContext.from_text(BASE), pool_cache=cache, concurrency=1) as ctx:
+    async with Fanout.connect(url, BasePrompt.from_text(BASE), pool_cache=cache, concurrency=1) as ctx:
         agents = [Agent(a.instructions, params=GEN) for a in AGENTS]
         res = await ctx.run(agents)
     # one at a time on 2 agent slots: a later agent may find the base in its slot from an earlier share

@@ -35,9 +35,9 @@ import pytest
 from polykv_py.client import Client, Request, Share
 from polykv_py.errors import HTTPError
 from polykv_py.harness.answers import compare
-from polykv_py.llama.state import KEY_FILE, MAC_BYTES, MAGIC, read_prefix_header, tokens_sha256
 from polykv_py.llama_server import LlamaServer
 from polykv_py.pools import tokens_mac
+from polykv_py.prefix_file import KEY_FILE, MAC_BYTES, MAGIC, read_prefix_header, tokens_sha256
 from polykv_py.presets import NO_HOST_CACHE, UNIFIED_KV, pool_slot_args, slots_args
 
 pytestmark = pytest.mark.integration

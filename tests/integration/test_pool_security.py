@@ -24,9 +24,9 @@ import pytest
 
 from polykv_py.client import Client, Share
 from polykv_py.errors import HTTPError
-from polykv_py.llama.state import KEY_FILE, MAC_BYTES, MAGIC, pool_key, tokens_sha256
 from polykv_py.llama_server import LlamaServer
 from polykv_py.pools import pool_file_name
+from polykv_py.prefix_file import KEY_FILE, MAC_BYTES, MAGIC, pool_key, tokens_sha256
 from polykv_py.presets import NO_CLEAR_IDLE, NO_HOST_CACHE, UNIFIED_KV, pool_slot_args, slots_args
 
 pytestmark = pytest.mark.integration

@@ -32,8 +32,8 @@ from polykv_py.client import Client
 from polykv_py.data import sample_document
 from polykv_py.harness.compare import compare_chat
 from polykv_py.harness.texts import repeat_to_tokens
-from polykv_py.llama.state import read_prefix_header
 from polykv_py.pools import POOL_FILE_SUFFIX, PROMOTED_FILE_PREFIX
+from polykv_py.prefix_file import read_prefix_header
 
 pytestmark = pytest.mark.integration
 

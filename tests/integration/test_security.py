@@ -26,7 +26,7 @@ import pytest
 
 from polykv_py.client import Client, Share
 from polykv_py.errors import HTTPError
-from polykv_py.fanout import Agent, BaseContext, run_fanout
+from polykv_py.fanout import Agent, BasePrompt, run_fanout
 from polykv_py.llama_server import LlamaServer
 from polykv_py.presets import pool_server
 
@@ -117,7 +117,7 @@ def test_the_key_holder_shares_and_the_key_stays_out_of_logs(secured: tuple[Llam
         Agent("Q: what is the code name? A:", params={"n_predict": 2, "temperature": 0.0}),
         Agent("Q: what is the budget? A:", params={"n_predict": 2, "temperature": 0.0}),
     ]
-    res = run_fanout(BaseContext.from_text(BASE), agents, server=srv)  # the server's key, passed through
+    res = run_fanout(BasePrompt.from_text(BASE), agents, server=srv)  # the server's key, passed through
     assert [a.status for a in res.agents] == ["hit", "hit"], res.statuses
     # /slots (key holders only) shows each slot's token count, sampling parameters and activity, not the
     # prompt text: llama-server adds that only with LLAMA_SERVER_SLOTS_DEBUG=1 in its environment

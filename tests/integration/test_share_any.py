@@ -33,17 +33,17 @@ import httpx
 import openai
 import pytest
 
-from polykv_py.client import Client
+from polykv_py.client import ROUTED_WORKER_HEADER, Client
 from polykv_py.cluster import Cluster, ClusterConfig
 from polykv_py.data import sample_document
 from polykv_py.errors import ServerError
-from polykv_py.gateway import ROUTED_WORKER_HEADER, GatewayOptions
+from polykv_py.gateway import GatewayOptions
 from polykv_py.harness.answers import SHARE_FIELDS, VOLATILE_FIELDS, compare
 from polykv_py.harness.compare import compare_chat
 from polykv_py.harness.texts import repeat_to_tokens
-from polykv_py.llama.state import tokens_sha256
 from polykv_py.llama_server import LlamaServer
 from polykv_py.pools import PoolCache
+from polykv_py.prefix_file import tokens_sha256
 from polykv_py.presets import NO_HOST_CACHE, SHARE_ANY, reference_server, serve_server, slots_args
 from polykv_py.tokens import common_prefix_len
 

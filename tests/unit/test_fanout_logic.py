@@ -10,15 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from polykv_py.cli.run import finalize_agents, parse_agents
-from polykv_py.fanout import (
-    Agent,
-    BaseContext,
-    FanoutError,
-    answer_text,
-    chunk_has_text,
-    needs_reprime,
-)
-from polykv_py.results import AgentResult, FanoutResult, PrimeResult
+from polykv_py.fanout import Agent, BasePrompt, FanoutError, answer_text, chunk_has_text
+from polykv_py.results import AgentResult, FanoutResult, PrimeResult, needs_reprime
 from polykv_py.tokens import shared_prefix_len
 
 
@@ -48,21 +41,21 @@ def test_p_is_a_verified_prefix_of_both(pool: list[int], agent: list[int]) -> No
 # ---------------------------------------------------------------- inputs
 def test_base_context_is_text_or_messages() -> None:
     with pytest.raises(FanoutError):
-        BaseContext()
+        BasePrompt()
     with pytest.raises(FanoutError):
-        BaseContext(text="x", messages=({"role": "system", "content": "y"},))
+        BasePrompt(text="x", messages=({"role": "system", "content": "y"},))
     with pytest.raises(FanoutError):
-        BaseContext.from_text("")
+        BasePrompt.from_text("")
     with pytest.raises(FanoutError):
-        BaseContext.chat()
-    base = BaseContext.chat(system="Be brief.", document="DOC")
+        BasePrompt.chat()
+    base = BasePrompt.chat(system="Be brief.", document="DOC")
     assert base.is_chat
     assert base.messages == ({"role": "system", "content": "Be brief.\n\nDOC"},)
 
 
 def test_agent_prompts_and_messages() -> None:
-    text = BaseContext.from_text("DOC\n\n")
-    chat = BaseContext.chat(document="DOC")
+    text = BasePrompt.from_text("DOC\n\n")
+    chat = BasePrompt.chat(document="DOC")
     a = Agent("Q?")
     assert a.resolved_mode(text) == "completion"
     assert a.resolved_mode(chat) == "chat"
@@ -92,8 +85,8 @@ def test_parse_agents_text_json_jsonl() -> None:
 
 
 def test_finalize_agents_sets_names_length_and_sampling_under_own_params() -> None:
-    chat = BaseContext.chat(document="D")
-    text = BaseContext.from_text("D")
+    chat = BasePrompt.chat(document="D")
+    text = BasePrompt.from_text("D")
     out = finalize_agents(
         [Agent("a"), Agent("b", name="bee", params={"temperature": 0.9, "max_tokens": 5})],
         chat,
@@ -228,8 +221,7 @@ def test_bench_quick_config() -> None:
 
 
 def test_first_line_drops_the_server_log_tail() -> None:
-    from polykv_py.errors import ServerUnavailableError
-    from polykv_py.fanout import first_line
+    from polykv_py.errors import ServerUnavailableError, first_line
 
     exc = ServerUnavailableError("request timed out", log_tail="a\nb")
     assert first_line(exc) == "request timed out"

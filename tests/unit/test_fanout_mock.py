@@ -1,4 +1,4 @@
-"""SharedContext against a fake llama-server (httpx.MockTransport): priming, P, statuses, re-priming."""
+"""Fanout against a fake llama-server (httpx.MockTransport): priming, P, statuses, re-priming."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from polykv_py.client import AsyncClient
-from polykv_py.fanout import Agent, BaseContext, FanoutError, SharedContext
+from polykv_py.fanout import Agent, BasePrompt, Fanout, FanoutError
 from polykv_py.tokens import common_prefix_len
 
 TRAP = 9999  # a trailing "\n\n" alone is one token; followed by text it is two "\n" tokens
@@ -29,7 +29,7 @@ def sse(events: list[dict]) -> bytes:
 
 @dataclass
 class FakeServer:
-    """Just enough of the patched llama-server for SharedContext."""
+    """Just enough of the patched llama-server for Fanout."""
 
     slots: int = 4
     pool: dict[int, list[int]] = field(default_factory=dict)
@@ -120,11 +120,11 @@ class FakeServer:
         return httpx.Response(200, content=sse(events), headers={"content-type": "text/event-stream"})
 
 
-def run(server: FakeServer, base: BaseContext, agents: list[Agent], **kw: Any):  # type: ignore[no-untyped-def]
+def run(server: FakeServer, base: BasePrompt, agents: list[Agent], **kw: Any):  # type: ignore[no-untyped-def]
     async def main():  # type: ignore[no-untyped-def]
         client = AsyncClient("http://fake", transport=httpx.MockTransport(server.handler))
         async with client:
-            ctx = SharedContext(client, base, **kw)
+            ctx = Fanout(client, base, **kw)
             res = await ctx.run(agents)
             return ctx, res
 
@@ -133,7 +133,7 @@ def run(server: FakeServer, base: BaseContext, agents: list[Agent], **kw: Any): 
 
 def test_completion_fanout_primes_pinned_and_sends_the_verified_p() -> None:
     server = FakeServer()
-    base = BaseContext.from_text("shared document\n\n")
+    base = BasePrompt.from_text("shared document\n\n")
     agents = [Agent(f"question {i}") for i in range(5)]
     _ctx, res = run(server, base, agents)
     assert len(server.primes) == 1
@@ -152,7 +152,7 @@ def test_completion_fanout_primes_pinned_and_sends_the_verified_p() -> None:
 
 def test_chat_fanout_uses_the_templated_prompts() -> None:
     server = FakeServer()
-    base = BaseContext.chat(system="S", document="D")
+    base = BasePrompt.chat(system="S", document="D")
     _ctx, res = run(server, base, [Agent("q1"), Agent("q2")])
     pool_text = "<system>S\n\nD</>"
     assert server.primes[0]["prompt"] == tokenize(pool_text)
@@ -162,7 +162,7 @@ def test_chat_fanout_uses_the_templated_prompts() -> None:
 
 def test_not_resident_reprimes_once_and_goes_on() -> None:
     server = FakeServer(evict_after=2)
-    base = BaseContext.from_text("document ")
+    base = BasePrompt.from_text("document ")
     _ctx, res = run(server, base, [Agent(f"q{i}") for i in range(6)], concurrency=1)
     statuses = [a.status for a in res.agents]
     assert statuses.count("not_resident") == 1
@@ -175,7 +175,7 @@ def test_not_resident_reprimes_once_and_goes_on() -> None:
 
 def test_share_false_sends_no_sharing_fields_and_no_prime() -> None:
     server = FakeServer()
-    _ctx, res = run(server, BaseContext.from_text("doc "), [Agent("a"), Agent("b")], share=False)
+    _ctx, res = run(server, BasePrompt.from_text("doc "), [Agent("a"), Agent("b")], share=False)
     assert server.primes == []
     assert all("shared_pool_slot" not in b for b in server.agent_bodies)
     assert all(a.status == "not_shared" for a in res.agents)
@@ -184,12 +184,12 @@ def test_share_false_sends_no_sharing_fields_and_no_prime() -> None:
 def test_unpatched_server_is_reported() -> None:
     server = FakeServer(patched=False)
     with pytest.raises(FanoutError, match="patched"):
-        run(server, BaseContext.from_text("doc "), [Agent("a")])
+        run(server, BasePrompt.from_text("doc "), [Agent("a")])
 
 
 def test_a_failing_agent_becomes_an_error_result() -> None:
     server = FakeServer(fail_prompt="bad")
-    _ctx, res = run(server, BaseContext.from_text("doc "), [Agent("good"), Agent("bad one")])
+    _ctx, res = run(server, BasePrompt.from_text("doc "), [Agent("good"), Agent("bad one")])
     assert res.agents[0].status == "hit"
     assert res.agents[1].status == "error" and "boom" in (res.agents[1].error or "")
 
@@ -199,7 +199,7 @@ def test_extra_body_for_the_openai_client() -> None:
 
     async def main() -> dict:
         async with AsyncClient("http://fake", transport=httpx.MockTransport(server.handler)) as client:
-            ctx = SharedContext(client, BaseContext.from_text("doc\n\n"), pool_slot=2)
+            ctx = Fanout(client, BasePrompt.from_text("doc\n\n"), pool_slot=2)
             return await ctx.extra_body(Agent("q"))
 
     assert asyncio.run(main()) == {"shared_pool_slot": 2, "shared_prefix_n_tokens": 3}
@@ -207,17 +207,17 @@ def test_extra_body_for_the_openai_client() -> None:
 
 def test_a_stale_connection_is_retried_once() -> None:
     server = FakeServer(stale=1)
-    _ctx, res = run(server, BaseContext.from_text("doc "), [Agent("a")])
+    _ctx, res = run(server, BasePrompt.from_text("doc "), [Agent("a")])
     assert res.agents[0].status == "hit" and len(server.agent_bodies) == 1
     server = FakeServer(stale=2)
-    _ctx, res = run(server, BaseContext.from_text("doc "), [Agent("a")])
+    _ctx, res = run(server, BasePrompt.from_text("doc "), [Agent("a")])
     assert res.agents[0].status == "error" and "disconnected" in (res.agents[0].error or "")
 
 
 def test_a_server_that_is_gone_fails_the_run_and_the_next_run_primes_again() -> None:
     """keep_going covers a failing request, not a dead server: refused connections end the run with
     ServerUnavailableError, the agents still queued are cancelled, and after a restart (here: the fake
-    comes back with an empty KV cache) the same SharedContext primes before its agents and they hit."""
+    comes back with an empty KV cache) the same Fanout primes before its agents and they hit."""
     from polykv_py.errors import ServerUnavailableError
 
     server = FakeServer()
@@ -232,7 +232,7 @@ def test_a_server_that_is_gone_fails_the_run_and_the_next_run_primes_again() -> 
 
     async def main() -> tuple[Any, Any, BaseException | None]:
         async with AsyncClient("http://fake", transport=httpx.MockTransport(handler)) as client:
-            ctx = SharedContext(client, BaseContext.from_text("doc "), concurrency=1)
+            ctx = Fanout(client, BasePrompt.from_text("doc "), concurrency=1)
             agents = [Agent(f"q{i}") for i in range(4)]
             first = await ctx.run(agents)
             state["down"] = True
@@ -258,7 +258,7 @@ def test_a_server_that_is_gone_fails_the_run_and_the_next_run_primes_again() -> 
 
 def test_a_server_that_computes_p_gets_the_pool_slot_alone() -> None:
     server = FakeServer(server_prefix=True, pool_slots=(0,))
-    base = BaseContext.from_text("shared document\n\n")
+    base = BasePrompt.from_text("shared document\n\n")
     _ctx, res = run(server, base, [Agent(f"question {i}") for i in range(3)])
     assert all(b == {**b, "shared_pool_slot": 0} and "shared_prefix_n_tokens" not in b for b in server.agent_bodies)
     n_base = len("shared document")  # the server's P: the "\n\n" token is not in the agents' prompts
@@ -271,7 +271,7 @@ def test_a_server_that_computes_p_gets_the_pool_slot_alone() -> None:
 
 def test_server_prefix_false_sends_p_to_any_server() -> None:
     server = FakeServer(server_prefix=True)
-    _ctx, res = run(server, BaseContext.from_text("doc "), [Agent("a")], server_prefix=False)
+    _ctx, res = run(server, BasePrompt.from_text("doc "), [Agent("a")], server_prefix=False)
     assert server.agent_bodies[0]["shared_prefix_n_tokens"] == 4
     assert res.agents[0].status == "hit" and res.agents[0].requested == 4
 
@@ -279,13 +279,13 @@ def test_server_prefix_false_sends_p_to_any_server() -> None:
 def test_a_pool_slot_the_server_does_not_reserve_is_refused_before_priming() -> None:
     server = FakeServer(server_prefix=True, pool_slots=(0, 1))
     with pytest.raises(FanoutError, match="slot 2 is not a reserved pool slot"):
-        run(server, BaseContext.from_text("doc "), [Agent("a")], pool_slot=2)
+        run(server, BasePrompt.from_text("doc "), [Agent("a")], pool_slot=2)
     assert server.primes == [] and server.agent_bodies == []
 
 
 def test_with_the_servers_p_no_prefix_means_the_pool_is_gone() -> None:
     server = FakeServer(server_prefix=True, evict_after=1)
-    _ctx, res = run(server, BaseContext.from_text("document "), [Agent(f"q{i}") for i in range(3)], concurrency=1)
+    _ctx, res = run(server, BasePrompt.from_text("document "), [Agent(f"q{i}") for i in range(3)], concurrency=1)
     assert [a.status for a in res.agents] == ["hit", "no_prefix", "hit"]
     assert [p.reason for p in res.primes] == ["initial", "re-prime after no_prefix"]
     assert res.agents[1].requested == 0 and res.agents[1].processed == res.agents[1].n_prompt
@@ -296,7 +296,7 @@ def test_extra_body_leaves_p_to_a_server_that_computes_it() -> None:
 
     async def main() -> dict:
         async with AsyncClient("http://fake", transport=httpx.MockTransport(server.handler)) as client:
-            ctx = SharedContext(client, BaseContext.from_text("doc\n\n"), pool_slot=2)
+            ctx = Fanout(client, BasePrompt.from_text("doc\n\n"), pool_slot=2)
             return await ctx.extra_body(Agent("q"))
 
     assert asyncio.run(main()) == {"shared_pool_slot": 2}

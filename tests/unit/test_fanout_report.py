@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench import fanout_report
-from bench.fanout import ctx_for, matched_budget
+from bench.common import ctx_for, matched_budget
 from polykv_py.harness.kvcells import KVCellsLog, parse_used
 from polykv_py.harness.report import fmt, ratio, table
 

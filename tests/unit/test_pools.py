@@ -14,7 +14,6 @@ import pytest
 from polykv_py import pools as pools_module
 from polykv_py.cli import app as cli
 from polykv_py.errors import HTTPError
-from polykv_py.llama.state import KEY_FILE, MAGIC, tokens_sha256, write_prefix_file
 from polykv_py.pools import (
     PARTIAL_MIN_AGE_S,
     PROMOTED_FILE_PREFIX,
@@ -27,6 +26,7 @@ from polykv_py.pools import (
     promoted_file_name,
     tokens_mac,
 )
+from polykv_py.prefix_file import KEY_FILE, MAGIC, tokens_sha256, write_prefix_file
 
 IDENTITY = {
     "format": 2,

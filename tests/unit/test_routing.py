@@ -11,18 +11,17 @@ from typing import Any
 import httpx
 import pytest
 
-from polykv_py.client import AsyncClient, chunk_finishes
+from polykv_py.client import ROUTED_WORKER_HEADER, AsyncClient, chunk_finishes
 from polykv_py.errors import HTTPError, ServerUnavailableError
-from polykv_py.fanout import Agent, BaseContext, token_probs
+from polykv_py.fanout import Agent, BasePrompt, token_probs
 from polykv_py.gateway import (
     MAX_ROUTING_KEY_BYTES,
-    ROUTED_WORKER_HEADER,
     ROUTING_KEY_HEADER,
     GatewayOptions,
     worker_list,
 )
-from polykv_py.llama.state import tokens_sha256
 from polykv_py.pools import PoolCache, pool_file_name, tokens_mac
+from polykv_py.prefix_file import tokens_sha256
 from polykv_py.routing import ReplicaError, Router, failed_replica, is_replica_failure, routing_key
 
 GATEWAY_CONNECT_ERROR = (
@@ -35,15 +34,15 @@ GATEWAY_STREAM_ERROR = (
 
 
 def test_routing_key_names_the_pool_and_nothing_else() -> None:
-    a = BaseContext.from_text("the base")
+    a = BasePrompt.from_text("the base")
     key = routing_key("polykv", a)
-    assert key == routing_key("polykv", BaseContext.from_text("the base"))  # stable across processes
+    assert key == routing_key("polykv", BasePrompt.from_text("the base"))  # stable across processes
     assert key.startswith("pool-") and len(key.encode()) <= MAX_ROUTING_KEY_BYTES
     others = {
-        routing_key("polykv", BaseContext.from_text("the base ")),
+        routing_key("polykv", BasePrompt.from_text("the base ")),
         routing_key("other-model", a),
         routing_key("polykv", a, cache_salt="team-a"),
-        routing_key("polykv", BaseContext.chat(document="the base")),
+        routing_key("polykv", BasePrompt.chat(document="the base")),
     }
     assert key not in others and len(others) == 4
     assert routing_key("polykv", a, "team-a") != routing_key("polykv", a, "team-b")
@@ -108,14 +107,14 @@ def test_token_probs_read_both_answer_shapes() -> None:
     assert token_probs({"choices": [{"text": "x"}]}) is None
 
 
-# ------------------------------------------------------------------------------ RoutedContext against a fake cluster
+# ------------------------------------------------------------------------------ RoutedFanout against a fake cluster
 REPLICA = "http://replica-1:8080"
 IDENTITY = {"format": 3, "model": {"sha256": "ab" * 32}, "kv": {"n_stream": 1}}
 
 
 @dataclass
 class FakeCluster:
-    """A gateway (http://gw) and one replica behind it, enough for a RoutedContext; records every request."""
+    """A gateway (http://gw) and one replica behind it, enough for a RoutedFanout; records every request."""
 
     pool_files: bool = False
     salted_resident: str | None = None  # the salt of a pool the replica already holds (slot 0), if any
@@ -193,7 +192,7 @@ class FakeRouter(Router):
 def routed_run(cluster: FakeCluster, **kwargs: Any) -> Any:
     async def main() -> Any:
         async with FakeRouter(cluster) as router:
-            ctx = router.context(BaseContext.from_text(BASE_TEXT), **kwargs)
+            ctx = router.context(BasePrompt.from_text(BASE_TEXT), **kwargs)
             res = await ctx.run([Agent("question one", "one"), Agent("question two", "two", params={"n_predict": 3})])
             await ctx.aclose()
             return ctx, res
@@ -202,7 +201,7 @@ def routed_run(cluster: FakeCluster, **kwargs: Any) -> Any:
 
 
 def test_a_salted_routed_context_sends_its_salt_on_the_prime_and_every_agent() -> None:
-    """Issue 26 item 5: RoutedContext(cache_salt=...) used the salt only for its routing key."""
+    """Issue 26 item 5: RoutedFanout(cache_salt=...) used the salt only for its routing key."""
     cluster = FakeCluster()
     ctx, res = routed_run(cluster, cache_salt="team-a")
     assert [a.status for a in res.agents] == ["hit", "hit"]
@@ -210,7 +209,7 @@ def test_a_salted_routed_context_sends_its_salt_on_the_prime_and_every_agent() -
     assert len(primes) == 1 and primes[0]["id_slot"] == 0 and primes[0]["cache_salt"] == "team-a"
     agents = cluster.agent_bodies()
     assert len(agents) == 2 and all(b["cache_salt"] == "team-a" and b["shared_pool_slot"] == 0 for b in agents)
-    assert ctx.key == routing_key("polykv", BaseContext.from_text(BASE_TEXT), "team-a")
+    assert ctx.key == routing_key("polykv", BasePrompt.from_text(BASE_TEXT), "team-a")
 
 
 def test_an_unsalted_routed_context_sends_no_salt() -> None:

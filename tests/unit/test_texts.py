@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.fanout import base_text, suffix_text
+from bench.common import base_text, suffix_text
 from polykv_py.harness.texts import cut_to_tokens, repeat_to_tokens
 
 

@@ -34,13 +34,13 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
 
 def _cmd_cluster(args: argparse.Namespace) -> int:
     from ..cluster import Cluster
+    from ..llama_server import Stop, stop_on_signals
     from ..pools import PoolCache
-    from ..serve import _Stop, _stop_on_signals
 
     config = cluster_config(args)
     cache = PoolCache(args.pool_cache) if args.pool_cache else PoolCache.default()
     cluster = Cluster(config, pool_cache=cache, gateway_port=args.port)
-    with _stop_on_signals():
+    with stop_on_signals():
         try:
             cluster.start()
             print(
@@ -56,7 +56,7 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
                     if not r.is_alive() and args.restart_dead:
                         log.warning("replica %d (%s) is down: starting it again", i, r.url)
                         cluster.restart(i)
-        except _Stop as stop:
+        except Stop as stop:
             log.info("%s: stopping the cluster", stop)
             return 0
         except PolykvError as exc:

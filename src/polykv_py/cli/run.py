@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ..errors import PolykvError
-from ..fanout import Agent, BaseContext, FanoutError, SharedContext
+from ..fanout import Agent, BasePrompt, Fanout, FanoutError
 from ..pools import PoolCache
 from ..results import AgentResult, FanoutResult, PrimeResult
 
@@ -90,9 +90,7 @@ def load_agents(path: str) -> list[Agent]:
         raise FanoutError(f"{path}: not valid {fmt}: {exc}") from exc
 
 
-def finalize_agents(
-    agents: list[Agent], base: BaseContext, *, max_tokens: int, sampling: dict[str, Any]
-) -> list[Agent]:
+def finalize_agents(agents: list[Agent], base: BasePrompt, *, max_tokens: int, sampling: dict[str, Any]) -> list[Agent]:
     """Give every agent a name, a length limit and the command line's sampling, under its own params."""
     out = []
     for i, a in enumerate(agents):
@@ -176,15 +174,15 @@ class Progress:
 
 
 # --------------------------------------------------------------------------- run
-def _build_base(args: argparse.Namespace) -> BaseContext:
+def _build_base(args: argparse.Namespace) -> BasePrompt:
     if args.base is None and sys.stdin.isatty():
         raise FanoutError("no base context: pass --base FILE (or - for stdin), or pipe it in")
     text = read_text(args.base or "-")
     if not text.strip():
         raise FanoutError("the base context is empty")
     if args.mode == "completion":
-        return BaseContext.from_text(text)
-    return BaseContext.chat(system=args.system, document=text)
+        return BasePrompt.from_text(text)
+    return BasePrompt.chat(system=args.system, document=text)
 
 
 def _collect_agents(args: argparse.Namespace) -> list[Agent]:
@@ -200,7 +198,7 @@ def _collect_agents(args: argparse.Namespace) -> list[Agent]:
 
 async def _fanout(
     url: str,
-    base: BaseContext,
+    base: BasePrompt,
     agents: list[Agent],
     args: argparse.Namespace,
     progress: Progress,
@@ -212,7 +210,7 @@ async def _fanout(
         if args.compare:
             raise FanoutError("--compare runs the agents again without sharing on one server: not with --gateway")
         return await _fanout_routed(args.gateway, base, agents, args, progress, pool_cache), None
-    async with SharedContext.connect(
+    async with Fanout.connect(
         url,
         base,
         api_key=args.api_key,
@@ -240,7 +238,7 @@ async def _fanout(
                     f"without sharing: {concurrency} agents at once fit in -c {args.ctx} ({per_agent} cells each)",
                     keep=True,
                 )
-            ctx_plain = SharedContext(ctx.client, base, share=False, concurrency=concurrency)
+            ctx_plain = Fanout(ctx.client, base, share=False, concurrency=concurrency)
             plain_agents = [Agent(a.instructions, a.name, a.mode, {**a.params, "cache_prompt": False}) for a in agents]
             if kv is not None:
                 await _erase_slots(ctx)
@@ -255,7 +253,7 @@ async def _fanout(
 
 async def _fanout_routed(
     gateway: str,
-    base: BaseContext,
+    base: BasePrompt,
     agents: list[Agent],
     args: argparse.Namespace,
     progress: Progress,
@@ -285,7 +283,7 @@ def pool_cache_of(args: argparse.Namespace) -> PoolCache | None:
     return None if args.url else PoolCache.default()
 
 
-async def _erase_slots(ctx: SharedContext) -> None:
+async def _erase_slots(ctx: Fanout) -> None:
     """Empty every slot (pool included) so a baseline run starts from an empty KV cache."""
     for slot in range(await ctx.slot_count()):
         try:

@@ -14,7 +14,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-Json = dict[str, Any]
+from ..jsontypes import Json
+
 #: A non-stream body, or the list of SSE chunks of a stream (or a list of such answers).
 Answer = Json | list[Any]
 

@@ -52,10 +52,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 from ..client import AsyncClient, Client, Share, aggregate
 from ..errors import PolykvError
+from ..jsontypes import Json
 from ..llama_server import LlamaServer
 from ..models import resolve_model
 from ..native import ServerKind, server_binary
@@ -66,7 +66,6 @@ from .compare import LAYOUT, compare_greedy
 
 log = logging.getLogger(__name__)
 
-Json = dict[str, Any]
 
 CHECKS = ("default_output", "share_hit", "fallback_miss", "auto_share", "shared_decode", "share_any")
 

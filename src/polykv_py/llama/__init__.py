@@ -3,8 +3,8 @@
 Every object owns its C resource and frees it on ``close()`` / ``with`` exit; failures
 surface as exceptions from :mod:`polykv_py.errors`. ``__all__`` is the one list of the
 names this package exports. They are imported on first use (``__getattr__``), so the pure
-modules (``params``, ``_kvstate``, ``_check``, ``state``) work without the native extension;
-the imports below are what type checkers read.
+modules (``params``, ``_kvstate``, ``_check``) work without the native extension, as does the
+prefix-file format (:mod:`polykv_py.prefix_file`); the imports below are what type checkers read.
 """
 
 from __future__ import annotations

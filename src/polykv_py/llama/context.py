@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 from .._ffi import ffi, lib
 from ..errors import ContextFullError, LlamaError, SequenceError, StateError, TokenError
+from ..prefix_file import read_prefix_file, write_prefix_file
 from ._check import check_decode, check_nonzero, check_ptr
 from ._owned import OwnedPointer
 from .backend import max_parallel_sequences
 from .batch import Batch
 from .memory import Memory
 from .params import ContextParams
-from .state import read_prefix_file, write_prefix_file
 
 if TYPE_CHECKING:
     from .model import Model
@@ -169,7 +169,7 @@ class Context(OwnedPointer):
         lib.llama_perf_context_reset(self.ptr)
 
     # -- sequence state -------------------------------------------------------------
-    # The raw llama_state_seq_* calls trust the caller (see .state for the verified prefix file).
+    # The raw llama_state_seq_* calls trust the caller (see polykv_py.prefix_file for the verified prefix file).
     def _check_settled(self, seq_id: int) -> None:
         self.memory.check_seq(seq_id)
         if seq_id in self.memory.pending_copies:

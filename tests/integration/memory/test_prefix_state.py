@@ -15,7 +15,7 @@ from memory_data import THREADS
 from polykv_py.engine import GenerationParams, SharedPrefixEngine
 from polykv_py.errors import StateError
 from polykv_py.llama import ContextParams, Model
-from polykv_py.llama.state import KEY_FILE, MAC_BYTES, MAGIC, pool_key
+from polykv_py.prefix_file import KEY_FILE, MAC_BYTES, MAGIC, pool_key
 
 pytestmark = pytest.mark.integration
 

@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import ContextFullError, StateError, TokenError
+from .errors import ContextFullError, StateError, TokenError
 
 MAGIC = b"PKVPFX\x00\x01"
 FORMAT_VERSION = 3

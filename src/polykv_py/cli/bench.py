@@ -1,10 +1,10 @@
-"""``polykv bench``: the fan-out benchmark of a source checkout.
+"""``polykv bench``: the fan-out benchmark of a source checkout, when it is importable.
 
-The benchmarks are not part of the wheel: they are the checkout's ``bench/`` package
-(``python -m bench.fanout``, ``python -m bench.decode`` ...). This command imports ``bench``
-only when it runs, and hands it every argument after ``bench`` (``polykv bench --help`` is the
-benchmark's help). ``bench`` is found on the import path, else in the current directory when
-that is a polykv checkout (``bench/fanout.py`` next to ``src/polykv_py``).
+The benchmarks are not part of the wheel: they are the checkout's ``bench/`` package, run from the
+checkout's root as ``python -m bench.fanout``, ``python -m bench.decode`` ... This command runs
+``bench.fanout`` when ``bench`` is on the import path (``PYTHONPATH=<checkout>``) and hands it every
+argument after ``bench`` (``polykv bench --help`` is the benchmark's help); otherwise it says where the
+benchmarks run. It never edits the import path itself.
 """
 
 from __future__ import annotations
@@ -12,38 +12,24 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 #: What ``polykv bench`` says, exiting 2, where no ``bench`` package can be imported.
 NOT_A_CHECKOUT = (
-    "benchmarks run from a source checkout: python -m bench.fanout ... "
-    "(in the checkout's root, where `polykv bench` finds them too)"
+    "benchmarks run from a source checkout, in its root: python -m bench.fanout ... "
+    "(or PYTHONPATH=<checkout> polykv bench ...)"
 )
 
 
-def _is_checkout(root: Path) -> bool:
-    return (root / "bench" / "fanout.py").is_file() and (root / "src" / "polykv_py").is_dir()
-
-
-def load_fanout(cwd: Path | None = None) -> ModuleType | None:
-    """``bench.fanout``, or None when neither the import path nor ``cwd`` (a checkout) has it."""
+def load_fanout() -> ModuleType | None:
+    """``bench.fanout`` from the import path, or None when it is not there."""
     try:
         return importlib.import_module("bench.fanout")
     except ModuleNotFoundError as exc:
         if exc.name not in ("bench", "bench.fanout"):
             raise  # bench is there but something it imports is not: say so
-    root = (cwd or Path.cwd()).resolve()
-    if not _is_checkout(root) or "bench" in sys.modules:
-        return None
-    sys.path.insert(0, str(root))
-    importlib.invalidate_caches()
-    try:
-        return importlib.import_module("bench.fanout")
-    except ModuleNotFoundError:
-        sys.path.remove(str(root))
-        return None
+    return None
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

@@ -569,28 +569,46 @@ def check_share_hit(servers: _Servers) -> CheckResult:
     args = [*_base_args(cfg), no_clear_idle_flag(servers.binary(kind))]
     ref_args = [*_base_args(cfg), NO_CACHE_IDLE]
     res.info = {"share_server": kind, "flags": args, "reference_flags": ref_args}
+    together, together_cases = _share_hit_together(servers, kind, args, res)
+    alone = _share_hit_alone(servers, kind, args, ref_args, together, res)
+    verdicts = _together_vs_alone(together, together_cases, alone)
+    res.info["together"]["vs_alone"] = {v: verdicts.count(v) for v in (*COMPARE_VERDICTS, NOT_COMPARED)} | {
+        "max_drift": max((d for tc in together_cases if (d := tc["vs_alone_max_drift"]) is not None), default=0.0)
+    }
+    _share_hit_summary(res, kind, together, together_cases, verdicts)
+    return res
 
-    # phase 1: all sharers on one pool, at once
+
+def _share_hit_together(
+    servers: _Servers, kind: str, args: list[str], res: CheckResult
+) -> tuple[_Together, list[Json]]:
+    """Phase 1 of :func:`check_share_hit`: all sharers on one pool, at once; each must hit."""
     together = _together(servers, kind, args, f"share-{kind}-together")
-    base, sharers, health = together.base, together.sharers, together.health
     res.info.update(together.sharers_info)
     res.info["pool_prime_prompt_n"] = together.prime_prompt_n
-    together_cases = []
-    for s in sharers:
+    cases = []
+    for s in together.sharers:
         ok, why, got = _sharer_verdict(together.final(s), s, "hit")
-        together_cases.append({"name": s.case.name, "ok": ok, "status_ok": ok, "status_check": why, **got})
+        cases.append({"name": s.case.name, "ok": ok, "status_ok": ok, "status_check": why, **got})
         log.info("  together %s: %s", s.case.name, why)
-    res.info["together"] = {"n_sharers": len(sharers), "health_after": health, "cases": together_cases}
+    res.info["together"] = {"n_sharers": len(together.sharers), "health_after": together.health, "cases": cases}
+    return together, cases
 
-    # phase 2: each sharer against the reference, like-for-like
+
+def _share_hit_alone(
+    servers: _Servers, kind: str, args: list[str], ref_args: list[str], together: _Together, res: CheckResult
+) -> dict[int, Json]:
+    """Phase 2 of :func:`check_share_hit`: each sharer alone against the reference, like for like (a fresh
+    pair of servers each); adds a case per sharer to ``res``, returns each sharer's answer alone."""
+    cfg = servers.cfg
     alone: dict[int, Json] = {}
-    for s in sharers:
+    for s in together.sharers:
         with servers.start(kind, args, f"share-{kind}-{s.index}") as srv:
-            srv.client.prime(base, POOL_SLOT)
+            srv.client.prime(together.base, POOL_SLOT)
             mine_raw = send(srv.client, s.with_pool())
             mine_fresh = final_of(send(srv.client, s.fresh()), "/completion") if cfg.fresh_info else {}
         with servers.start("upstream", ref_args, f"share-reference-{s.index}") as ref:
-            ref.client.prime(base, s.slot)
+            ref.client.prime(together.base, s.slot)
             own_raw = send(ref.client, s.case)
             ref_fresh = final_of(send(ref.client, s.fresh()), "/completion") if cfg.fresh_info else {}
         mine, own = final_of(mine_raw, "/completion"), final_of(own_raw, "/completion")
@@ -611,9 +629,12 @@ def check_share_hit(servers: _Servers) -> CheckResult:
             info["share_server_first_token_max_logprob_diff"],
             info["reference_first_token_max_logprob_diff"],
         )
+    return alone
 
-    # the together phase's greedy answers against each sharer's answer alone
-    for s, tc in zip(sharers, together_cases, strict=True):
+
+def _together_vs_alone(together: _Together, cases: list[Json], alone: dict[int, Json]) -> list[str]:
+    """The together phase's greedy answers against each sharer's answer alone (layout margins); the verdicts."""
+    for s, tc in zip(together.sharers, cases, strict=True):
         if s.body.get("temperature"):
             # a seeded draw near a boundary of the cumulative distribution picks another token when the
             # probabilities move by layout rounding, so a sampled answer is compared byte for byte only in the
@@ -624,11 +645,14 @@ def check_share_hit(servers: _Servers) -> CheckResult:
         tc.update(vs_alone=cmp.verdict, vs_alone_max_drift=round(cmp.max_drift, 4), vs_alone_detail=cmp.detail)
         tc["ok"] = tc["status_ok"] and cmp.ok
         log.info("  together %s vs alone: %s (%s)", s.case.name, cmp.verdict, cmp.detail)
-    verdicts = [tc["vs_alone"] for tc in together_cases]
-    res.info["together"]["vs_alone"] = {v: verdicts.count(v) for v in (*COMPARE_VERDICTS, NOT_COMPARED)} | {
-        "max_drift": max((d for tc in together_cases if (d := tc["vs_alone_max_drift"]) is not None), default=0.0)
-    }
+    return [tc["vs_alone"] for tc in cases]
 
+
+def _share_hit_summary(
+    res: CheckResult, kind: str, together: _Together, together_cases: list[Json], verdicts: list[str]
+) -> None:
+    """Set ``res.ok`` and its one-line summary: the first failure found, or what passed."""
+    sharers, health = together.sharers, together.health
     bad_together = [c for c in together_cases if not c["ok"]]
     bad = [c for c in res.cases if not c["ok"]]
     res.ok = not bad and not bad_together and health == "ok"
@@ -651,7 +675,6 @@ def check_share_hit(servers: _Servers) -> CheckResult:
             f"identical, {verdicts.count('near_tie')} near tie); each alone answered byte-identically to the "
             f"reference server's own-cache answer"
         )
-    return res
 
 
 def check_fallback_miss(servers: _Servers) -> CheckResult:

@@ -432,6 +432,15 @@ def pool_file_request(action: str, slot: int, filename: str, **fields: Any) -> R
     return Request.post(f"/slots/{slot}?action={action}", action_body(filename, **fields))
 
 
+class RestoreFields(TypedDict, total=False):
+    """What a pool restore may check and mark: the pool must hold ``tokens`` and have been primed under
+    ``cache_salt``; ``promoted`` marks it as a ``--share-any`` promoted prefix."""
+
+    tokens: Sequence[int] | None
+    cache_salt: str | None
+    promoted: bool | None
+
+
 def erase_request(slot: int) -> Request[Any]:
     """``POST /slots/{slot}?action=erase``: empty a slot's KV (the server needs ``--slot-save-path``)."""
     return Request.post(f"/slots/{slot}?action=erase", {})
@@ -688,18 +697,9 @@ class Client(_Base):
         fields = {"cache_salt": cache_salt, "sha256_of_tokens": sha256_of_tokens}
         return self.send(pool_file_request("save", slot, filename, **fields))
 
-    def restore_pool(
-        self,
-        slot: int,
-        filename: str,
-        *,
-        tokens: Sequence[int] | None = None,
-        cache_salt: str | None = None,
-        promoted: bool | None = None,
-    ) -> Json:
-        """Restore reserved pool ``slot`` from ``filename`` (verified; see :func:`pool_file_request`;
-        ``promoted``: mark it as a ``--share-any`` promoted prefix)."""
-        fields = {"tokens": tokens, "cache_salt": cache_salt, "promoted": promoted}
+    def restore_pool(self, slot: int, filename: str, **fields: Unpack[RestoreFields]) -> Json:
+        """Restore reserved pool ``slot`` from ``filename`` (verified; see :func:`pool_file_request` and
+        :class:`RestoreFields`)."""
         return self.send(pool_file_request("restore", slot, filename, **fields))
 
     def pools(self) -> list[PoolState]:
@@ -895,17 +895,8 @@ class AsyncClient(_Base):
         fields = {"cache_salt": cache_salt, "sha256_of_tokens": sha256_of_tokens}
         return await self.send(pool_file_request("save", slot, filename, **fields))
 
-    async def restore_pool(
-        self,
-        slot: int,
-        filename: str,
-        *,
-        tokens: Sequence[int] | None = None,
-        cache_salt: str | None = None,
-        promoted: bool | None = None,
-    ) -> Json:
+    async def restore_pool(self, slot: int, filename: str, **fields: Unpack[RestoreFields]) -> Json:
         """Restore reserved pool ``slot`` from ``filename`` (see :meth:`Client.restore_pool`)."""
-        fields = {"tokens": tokens, "cache_salt": cache_salt, "promoted": promoted}
         return await self.send(pool_file_request("restore", slot, filename, **fields))
 
     async def pools(self) -> list[PoolState]:

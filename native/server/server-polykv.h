@@ -4,6 +4,19 @@
 // shared_prefix_n_tokens prompt tokens from that slot (the pool) instead of computing them.
 // The code lives here; upstream's server files only call it (server_slot and server_context
 // stay private to server-context.cpp, so what they know is passed in explicitly).
+//
+// Entry points, in the order a request meets them, and their callers in upstream's files (native/README.md
+// has the whole map with the patches):
+//   polykv_shared_decode_init, polykv_share_any_init   server_context::load_model
+//   polykv_check_pool_slot, polykv_json_salt           server-schema.cpp (request fields)
+//   polykv_check_schedulable                           handle_completions_impl
+//   polykv_pick_slot                                   get_available_slot
+//   polykv_share_any_source, polykv_share_any_wait     pre_decode via the member polykv_prefix_wait
+//   polykv_auto_pool, polykv_share_run                 pre_decode via the member polykv_share_prefix
+//   polykv_promote_target, polykv_copy_prefix          the member polykv_promote (from polykv_share_prefix)
+//   polykv_share_final, polykv_add_shared_prefix       send_final_response, server-task.cpp
+//   polykv_shared_prefix_per_choice                    handle_completions_impl (n > 1)
+//   polykv_add_props, polykv_write_metrics             get_res_props, server-task.cpp (/metrics)
 
 #include "server-common.h" // json, server_tokens, server_metrics
 #include "server-polykv-provenance.h"

@@ -14,15 +14,20 @@ one JSON summary line. --stream streams every call and asks for usage in the str
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import re
 import time
-from pathlib import Path
 from typing import Any, Literal
 
-from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, SystemMessage, ToolMessage
+from common import DOC, FOLLOW_UP, parse_args, print_call, questions, section_text, summarize
+from langchain_core.messages import (
+    AIMessage,
+    AnyMessage,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+    message_chunk_to_message,
+)
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
@@ -30,18 +35,13 @@ from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import START, MessagesState, StateGraph
 from langgraph.types import Command
 
-HERE = Path(__file__).resolve().parent
-DOC = (HERE.parent / "design-doc.md").read_text(encoding="utf-8")
-QUESTIONS = [q for q in (HERE.parent / "agents.txt").read_text().splitlines() if q and not q.startswith("#")]
-FOLLOW_UP = "Now say it again in one short sentence."
 SECTIONS = dict(re.findall(r"^## (\d+)\. (.+)$", DOC, flags=re.M))
 
 
 @tool
 def read_section(number: int) -> str:
     """Read one numbered section (1-9) of the design document."""
-    parts = re.split(r"^## ", DOC, flags=re.M)
-    return next((p for p in parts if p.startswith(f"{number}.")), f"there is no section {number}")
+    return section_text(number)
 
 
 def pick_section(question: str) -> int:
@@ -67,11 +67,7 @@ class Calls:
             "tool_calls": len(message.tool_calls),
         }
         self.rows.append(row)
-        print(
-            f"agent {agent} turn {turn} {node:10s} prompt {row['prompt_tokens']:5d}  cached {row['cached_tokens']:5d}"
-            f"  tool calls {row['tool_calls']}",
-            flush=True,
-        )
+        print_call(agent, turn, node, row)
 
 
 def build_graph(llm: ChatOpenAI, calls: Calls, *, stream: bool) -> Any:
@@ -81,7 +77,8 @@ def build_graph(llm: ChatOpenAI, calls: Calls, *, stream: bool) -> Any:
     async def call(messages: list[AnyMessage], config: RunnableConfig, node: str) -> AIMessage:
         if stream:  # the usage comes in the stream's last chunk (stream_usage=True)
             chunks = [chunk async for chunk in model.astream([system, *messages])]
-            message = AIMessage(**{k: v for k, v in sum(chunks[1:], chunks[0]).model_dump().items() if k != "type"})
+            message = message_chunk_to_message(sum(chunks[1:], chunks[0]))
+            assert isinstance(message, AIMessage)
         else:
             message = await model.ainvoke([system, *messages])
         calls.add(config["configurable"]["agent"], config["configurable"]["turn"], node, message)
@@ -138,27 +135,16 @@ async def run_agent(graph: Any, agent: int, question: str, turns: int) -> str:
 
 
 async def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base-url", default="http://127.0.0.1:8080/v1")
-    parser.add_argument("--agents", type=int, default=8)
-    parser.add_argument("--turns", type=int, default=2)
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--stream", action="store_true", help="stream every call (usage in the last chunk)")
-    parser.add_argument("--json", action="store_true", help="print a JSON summary line at the end")
-    args = parser.parse_args()
+    args = parse_args(__doc__.split("\n\n")[0])
 
     llm = ChatOpenAI(model="polykv", base_url=args.base_url, api_key="unused", temperature=0,
                      max_tokens=args.max_tokens, stream_usage=True)  # fmt: skip
     calls = Calls()
     graph = build_graph(llm, calls, stream=args.stream)
     t0 = time.perf_counter()
-    questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.agents)]
-    answers = await asyncio.gather(*(run_agent(graph, i + 1, q, args.turns) for i, q in enumerate(questions)))
-    wall = time.perf_counter() - t0
-    prompt, cached = sum(r["prompt_tokens"] for r in calls.rows), sum(r["cached_tokens"] for r in calls.rows)
-    print(f"{len(calls.rows)} calls, {prompt} prompt tokens, {cached} cached, {prompt - cached} computed, {wall:.1f} s")
-    if args.json:
-        print(json.dumps({"framework": "langgraph", "wall_s": wall, "calls": calls.rows, "answers": answers}))
+    first = questions(args.agents)
+    answers = await asyncio.gather(*(run_agent(graph, i + 1, q, args.turns) for i, q in enumerate(first)))
+    summarize("langgraph", calls.rows, time.perf_counter() - t0, as_json=args.json, answers=answers)
 
 
 if __name__ == "__main__":

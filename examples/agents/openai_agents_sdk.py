@@ -14,12 +14,8 @@ The SDK asks a server that is not OpenAI's for no usage in a stream: `ModelSetti
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
-import re
 import time
-from pathlib import Path
 from typing import Any
 
 from agents import (
@@ -32,19 +28,14 @@ from agents import (
     function_tool,
     set_tracing_disabled,
 )
+from common import DOC, FOLLOW_UP, parse_args, print_call, questions, section_text, summarize
 from openai import AsyncOpenAI
-
-HERE = Path(__file__).resolve().parent
-DOC = (HERE.parent / "design-doc.md").read_text(encoding="utf-8")
-QUESTIONS = [q for q in (HERE.parent / "agents.txt").read_text().splitlines() if q and not q.startswith("#")]
-FOLLOW_UP = "Now say it again in one short sentence."
 
 
 @function_tool
 def read_section(number: int) -> str:
     """Read one numbered section (1-9) of the design document."""
-    parts = re.split(r"^## ", DOC, flags=re.M)
-    return next((p for p in parts if p.startswith(f"{number}.")), f"there is no section {number}")
+    return section_text(number)
 
 
 def build_agents(client: AsyncOpenAI, settings: ModelSettings) -> Agent[Any]:
@@ -79,11 +70,7 @@ def usage_rows(agent: int, turn: int, result: RunResult | RunResultStreaming) ->
             "cached_tokens": usage.input_tokens_details.cached_tokens,
             "tool_calls": sum(1 for item in response.output if getattr(item, "type", "") == "function_call"),
         }
-        print(
-            f"agent {agent} turn {turn} {result.last_agent.name:10s} prompt {row['prompt_tokens']:5d}  "
-            f"cached {row['cached_tokens']:5d}  tool calls {row['tool_calls']}",
-            flush=True,
-        )
+        print_call(agent, turn, result.last_agent.name, row)
         rows.append(row)
     return rows
 
@@ -105,32 +92,20 @@ async def run_agent(researcher: Agent[Any], agent: int, question: str, turns: in
 
 
 async def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base-url", default="http://127.0.0.1:8080/v1")
-    parser.add_argument("--agents", type=int, default=8)
-    parser.add_argument("--turns", type=int, default=2)
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--stream", action="store_true", help="stream every call (usage in the last chunk)")
-    parser.add_argument("--json", action="store_true", help="print a JSON summary line at the end")
-    args = parser.parse_args()
+    args = parse_args(__doc__.split("\n\n")[0])
 
     set_tracing_disabled(True)
     client = AsyncOpenAI(base_url=args.base_url, api_key="unused")
     settings = ModelSettings(temperature=0, max_tokens=args.max_tokens, include_usage=True)
     researcher = build_agents(client, settings)
     t0 = time.perf_counter()
-    questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.agents)]
+    first = questions(args.agents)
     runs = await asyncio.gather(
-        *(run_agent(researcher, i + 1, q, args.turns, args.stream) for i, q in enumerate(questions))
+        *(run_agent(researcher, i + 1, q, args.turns, args.stream) for i, q in enumerate(first))
     )
-    wall = time.perf_counter() - t0
     rows = [row for run in runs for row in run["rows"]]
-    prompt, cached = sum(r["prompt_tokens"] for r in rows), sum(r["cached_tokens"] for r in rows)
-    print(f"{len(rows)} calls, {prompt} prompt tokens, {cached} cached, {prompt - cached} computed, {wall:.1f} s")
-    if args.json:
-        summary = {"framework": "openai-agents", "wall_s": wall, "calls": rows, "answers": [r["answer"] for r in runs],
-                   "last_agents": [r["last_agent"] for r in runs]}  # fmt: skip
-        print(json.dumps(summary))
+    summarize("openai-agents", rows, time.perf_counter() - t0, as_json=args.json,
+              answers=[r["answer"] for r in runs], last_agents=[r["last_agent"] for r in runs])  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ class Cluster:
         log_dir: str | os.PathLike[str] | None = None,
         gateway_port: int | None = None,
     ) -> None:
-        from .models import is_default_model
+        from .models import is_default_model, resolve_model
         from .presets import serve_server, template_args
 
         self.config = cfg = config or ClusterConfig()
@@ -70,7 +70,7 @@ class Cluster:
             raise ValueError("a cluster needs at least one replica with at least one pool slot")
         self.pool_cache = pool_cache if pool_cache is not None else PoolCache(None)
         save_path = self.pool_cache.save_path
-        default_model = is_default_model(cfg.model)  # gets polykv's tools template, as in polykv serve
+        default_model = is_default_model(resolve_model(cfg.model))  # gets polykv's tools template, as in polykv serve
         self.replicas: list[LlamaServer] = [
             serve_server(
                 cfg.pools_per_replica,

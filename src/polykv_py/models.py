@@ -102,6 +102,6 @@ def resolve_model(model: str | os.PathLike[str] | None = None) -> Path:
     return default_model_path()
 
 
-def is_default_model(model: str | os.PathLike[str] | None = None) -> bool:
-    """Whether ``model`` (resolved as :func:`resolve_model` does) is the default model's file."""
-    return resolve_model(model).resolve() == default_model_path(download=False).resolve()
+def is_default_model(path: Path) -> bool:
+    """Whether ``path`` (a model :func:`resolve_model` resolved) is the default model's file."""
+    return path.resolve() == default_model_path(download=False).resolve()

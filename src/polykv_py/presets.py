@@ -67,10 +67,13 @@ SERVE_AGENT_SLOTS = 8
 #: Reserved pool slots ``polykv serve`` adds, beyond its ``--pool`` files, for the prefixes ``--share-any`` promotes.
 SERVE_AUTO_POOLS = 2
 
+#: Threads ``polykv serve`` gives the server (and the stock server it compares with) unless told otherwise.
+SERVE_THREADS = min(os.cpu_count() or 2, 8)
+
 #: Flags ``polykv serve`` adds unless the user passes ``--no-defaults`` (its pools: :func:`serve_pool_args`).
 SERVE_DEFAULTS = (
     *POOL_SERVER_ARGS[:-1], "-c", str(SERVE_CTX),
-    "-t", str(min(os.cpu_count() or 2, 8)), "--metrics", "--slots", SHARED_DECODE, SHARE_ANY,
+    "-t", str(SERVE_THREADS), "--metrics", "--slots", SHARED_DECODE, SHARE_ANY,
 )  # fmt: skip
 
 
@@ -97,8 +100,7 @@ def stock_serve_args(n_slots: int, *, ctx: int = SERVE_CTX, threads: int | None 
     """``polykv serve --upstream``: the stock server with its own defaults (idle slots cached to host RAM,
     its prompt cache) and what makes it comparable to ``polykv serve``: the same ``n_slots`` slots over the
     same ``ctx`` unified KV cells, the same threads, ``--metrics`` and ``/slots``."""
-    threads = threads or min(os.cpu_count() or 2, 8)
-    return [UNIFIED_KV, *slots_args(n_slots, ctx), "-t", str(threads), "--metrics", "--slots"]
+    return [UNIFIED_KV, *slots_args(n_slots, ctx), "-t", str(threads or SERVE_THREADS), "--metrics", "--slots"]
 
 
 def slots_args(n_slots: int, ctx: int) -> list[str]:

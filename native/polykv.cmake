@@ -1,5 +1,6 @@
 # polykv's own C++ (this folder) added to upstream's targets: the patches in patches/ only call it.
 #
+#   llama/     what the public memory API lacks (SWA cells of a share) -> llama (libllama)
 #   server/    the shared KV prefix, reserved pools, pool files      -> server-context (libllama-server-impl)
 #   ggml-cpu/  shared-prefix decode attention for the CPU backend     -> ggml-cpu
 #   check/     polykv-fattn-check, the ggml-level kernel check         (CMakeLists.txt, section 4b)
@@ -24,6 +25,12 @@ function(polykv_require_target name)
     endif()
 endfunction()
 
+# ------------------------------------------------------------------ llama
+polykv_require_target(llama)
+target_sources(llama PRIVATE
+    "${POLYKV_NATIVE_DIR}/llama/polykv-memory.cpp"
+    "${POLYKV_NATIVE_DIR}/llama/polykv-memory.h")
+
 # ------------------------------------------------------------------ server
 polykv_require_target(server-context)
 target_sources(server-context PRIVATE
@@ -35,6 +42,7 @@ target_sources(server-context PRIVATE
     "${POLYKV_NATIVE_DIR}/server/server-polykv-provenance.h")
 # PUBLIC: upstream's server-task.h includes server-polykv.h, and llama-server-impl compiles it too
 target_include_directories(server-context PUBLIC "${POLYKV_NATIVE_DIR}/server")
+target_include_directories(server-context PRIVATE "${POLYKV_NATIVE_DIR}/llama")
 
 # ------------------------------------------------------------------ ggml-cpu
 # One CPU backend (GGML_BACKEND_DL with GGML_CPU_ALL_VARIANTS builds ggml-cpu-<variant> targets: not supported)

@@ -659,7 +659,7 @@ json polykv_pool_files::save(llama_context * ctx, llama_seq_id seq_id, const lla
     auto *          mem = llama_get_memory(ctx);
     const llama_pos p0  = llama_memory_seq_pos_min(mem, seq_id);
     const llama_pos p1  = llama_memory_seq_pos_max(mem, seq_id);
-    if (p0 != 0 || p1 != (llama_pos) tokens.size() - 1) {
+    if (polykv_seq_resident(ctx, seq_id) != (int32_t) tokens.size() || p1 != (llama_pos) tokens.size() - 1) {
         throw std::runtime_error(string_format("the pool's KV holds positions [%d, %d], not its %zu tokens", p0, p1, tokens.size()));
     }
 
@@ -862,7 +862,7 @@ json polykv_pool_files::load(llama_context * ctx, llama_seq_id seq_id, const pol
     const size_t n = llama_state_seq_set_data(ctx, (const uint8_t *) file.state.data(), file.state.size(), seq_id);
     const llama_pos p0 = llama_memory_seq_pos_min(mem, seq_id);
     const llama_pos p1 = llama_memory_seq_pos_max(mem, seq_id);
-    if (n == 0 || p0 != 0 || p1 != (llama_pos) file.tokens.size() - 1) {
+    if (n == 0 || polykv_seq_resident(ctx, seq_id) != (int32_t) file.tokens.size() || p1 != (llama_pos) file.tokens.size() - 1) {
         llama_memory_seq_rm(mem, seq_id, -1, -1);
         throw std::runtime_error(n == 0
             ? string_format("the KV cache has no room for its %zu cells (free cells are held by other slots) or refused its layout", file.tokens.size())
@@ -928,27 +928,25 @@ polykv_provenance polykv_restored_prov(const json & expect, const std::vector<co
 
 void polykv_pool_snapshot(llama_context * ctx, llama_seq_id seq_id, polykv_pool_stats & stats) {
     auto * mem = llama_get_memory(ctx);
-    stats.pos_min = llama_memory_seq_pos_min(mem, seq_id);
-    stats.pos_max = llama_memory_seq_pos_max(mem, seq_id);
+    stats.n_resident = polykv_seq_resident(ctx, seq_id);
 }
 
-static llama_tokens resident_tokens(llama_pos p0, llama_pos p1, const server_tokens & tokens) {
-    if (p0 != 0 || p1 < 0 || tokens.has_mtmd || (size_t) p1 >= tokens.size()) {
+static llama_tokens resident_tokens(int32_t n_resident, const server_tokens & tokens) {
+    if (n_resident <= 0 || tokens.has_mtmd || (size_t) n_resident > tokens.size()) {
         return {};
     }
     llama_tokens out = tokens.get_text_tokens();
-    out.resize((size_t) p1 + 1);
+    out.resize((size_t) n_resident);
     return out;
 }
 
 llama_tokens polykv_resident_tokens(llama_context * ctx, llama_seq_id seq_id, const server_tokens & tokens) {
-    auto * mem = llama_get_memory(ctx);
-    return resident_tokens(llama_memory_seq_pos_min(mem, seq_id), llama_memory_seq_pos_max(mem, seq_id), tokens);
+    return resident_tokens(polykv_seq_resident(ctx, seq_id), tokens);
 }
 
 json polykv_pool_state_json(const server_tokens & prompt, const polykv_provenance & prov, const polykv_pool_stats & stats,
                             int n_sharers) {
-    const llama_tokens tokens   = resident_tokens(stats.pos_min, stats.pos_max, prompt);
+    const llama_tokens tokens   = resident_tokens(stats.n_resident, prompt);
     const bool         resident = !tokens.empty();
     const bool         salted   = !prov.salt_known || !prov.salt.empty();
     const int64_t      now      = ggml_time_us();

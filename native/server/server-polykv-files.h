@@ -36,8 +36,8 @@ struct polykv_pool_stats {
     int64_t     t_last_use_us = 0; // last share, restore or prompt on the pool (ggml_time_us); 0: never
     std::string restored_from;     // the file of the last restore ("" if primed here or never filled)
     bool        promoted = false;  // holds a prefix --share-any promoted (0077), or a file of one restored as such
-    llama_pos   pos_min  = -1;     // the pool sequence's positions as of the scheduler's last pass (polykv_pool_snapshot):
-    llama_pos   pos_max  = -1;     // /slots answers from them while a decode runs (reading the KV cache then would race)
+    int32_t     n_resident = 0;    // polykv_seq_resident() as of the scheduler's last pass (polykv_pool_snapshot):
+                                   // /slots answers from it while a decode runs (reading the KV cache then would race)
 };
 
 // A verified pool file, read into memory; nothing in the KV cache has changed yet.
@@ -106,13 +106,14 @@ json polykv_slot_action_fields(const json & body);
 // without LoRA (every adapter of this server at scale 0), exact (a save refuses shifted cells).
 polykv_provenance polykv_restored_prov(const json & expect, const std::vector<common_adapter_lora_info> & adapters);
 
-// Records the pool sequence's positions in stats (on the main loop, between decodes).
+// Records how much of the pool sequence is resident in stats (on the main loop, between decodes).
 void polykv_pool_snapshot(llama_context * ctx, llama_seq_id seq_id, polykv_pool_stats & stats);
 
-// The tokens whose cells the sequence holds: tokens [0, pos_max] if the sequence starts at position 0, else none.
+// The tokens whose cells the sequence holds: tokens [0, polykv_seq_resident()), none if it lost its start (or, with
+// SWA, the window of its next token).
 llama_tokens polykv_resident_tokens(llama_context * ctx, llama_seq_id seq_id, const server_tokens & tokens);
 
-// The "polykv_pool_state" object of a reserved pool's /slots entry, from the positions of its last snapshot (safe
+// The "polykv_pool_state" object of a reserved pool's /slots entry, from its last snapshot (safe
 // while a decode runs).
 json polykv_pool_state_json(const server_tokens & tokens, const polykv_provenance & prov, const polykv_pool_stats & stats,
                             int n_sharers);

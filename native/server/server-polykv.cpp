@@ -1,6 +1,7 @@
 #include "server-polykv.h"
 
 #include "server-polykv-files.h" // polykv_pool_files::identity (0075)
+#include "polykv-memory.h"       // polykv_memory_swa_seq_rm
 #include "server-task.h"
 
 #include "ggml-backend.h"
@@ -25,6 +26,9 @@ json server_shared_prefix_outcome::to_json() const {
     }
     if (status == "inexact") {
         res["exact"] = exact;
+    }
+    if (status == "swa_window") {
+        res["window"] = window;
     }
     if (!auto_kind.empty()) {
         res["auto"] = auto_kind;
@@ -120,8 +124,6 @@ polykv_share_decision polykv_share_decide(const polykv_share_input & in, int n_p
         reason = "multimodal";
     } else if (in.no_partial_seq_rm) {
         reason = "memory without partial sequence removal (recurrent/hybrid)";
-    } else if (in.swa) {
-        reason = "sliding-window attention";
     } else if (in.speculative) {
         reason = "speculative decoding";
     } else if (in.ctx_shift) {
@@ -144,10 +146,11 @@ polykv_share_decision polykv_share_decide(const polykv_share_input & in, int n_p
         return d;
     }
 
-    // residency guard: the pool sequence must hold cells [0, P)
-    // (idle-slot caching clears idle slots when a task launches unless --no-clear-idle)
+    // residency guard: the pool sequence must hold cells [0, P) (with SWA its sliding-window layers start later,
+    // checked below) (idle-slot caching clears idle slots when a task launches unless --no-clear-idle)
     const int n_pool = (int) in.pool_tokens->size();
-    if (n_pool < n_req || in.pool_pos_min != 0 || in.pool_pos_max < (llama_pos) (n_req - 1)) {
+    const bool starts_ok = in.n_swa > 0 ? in.pool_pos_min >= 0 : in.pool_pos_min == 0;
+    if (n_pool < n_req || !starts_ok || in.pool_pos_max < (llama_pos) (n_req - 1)) {
         POLYKV_LOG(LOG_WRN, in, "poly-kv-pool: pool slot %d not resident to %d (tokens %d, pos [%d, %d]) - "
                    "skipping share, full reprocess (boot with --no-clear-idle)\n",
                    id_pool, n_req - 1, n_pool, (int) in.pool_pos_min, (int) in.pool_pos_max);
@@ -174,6 +177,18 @@ polykv_share_decision polykv_share_decide(const polykv_share_input & in, int n_p
         return d;
     }
 
+    // sliding-window layers: the pool must still hold the window of the first token the task evaluates (P, or
+    // P - 1 when P is the whole prompt: [TAG_PROMPT_LOGITS]); a pool forked at its full length always does
+    const llama_pos p_first = std::min<llama_pos>(n_req, (llama_pos) in.tokens->size() - 1);
+    if (in.pool_pos_min > polykv_window_start(in.n_swa, p_first)) {
+        out.window = (int32_t) in.pool_pos_min;
+        POLYKV_LOG(LOG_WRN, in, "poly-kv-pool: pool slot %d's sliding-window layers start at position %d, a continuation at %d "
+                   "needs %d - skipping share, full reprocess\n", id_pool, (int) in.pool_pos_min, (int) p_first,
+                   (int) polykv_window_start(in.n_swa, p_first));
+        out.status = "swa_window";
+        return d;
+    }
+
     d.n_share = n_req;
     return d;
 }
@@ -195,13 +210,18 @@ const char * polykv_share_kv(const polykv_share_input & in, int32_t n, const com
         status = "copied";
     }
 
-    // the sequence must now hold exactly [0, P)
+    // with SWA the sliding-window layers keep only the window of the first token the task evaluates: the cells
+    // below it are masked for all its tokens, and held by two sequences they would never be reused
     auto * llama_mem = llama_get_memory(mem.ctx_tgt);
+    const llama_pos need = polykv_window_start(in.n_swa, std::min<llama_pos>(n, (llama_pos) in.tokens->size() - 1));
+    polykv_memory_swa_seq_rm(llama_mem, in.id_slot, need);
+
+    // the sequence must now hold exactly [0, P) (with SWA: from the window's start on in the sliding-window layers)
     const llama_pos own_min = llama_memory_seq_pos_min(llama_mem, in.id_slot);
     const llama_pos own_max = llama_memory_seq_pos_max(llama_mem, in.id_slot);
-    if (own_min != 0 || own_max != (llama_pos) (n - 1)) {
-        POLYKV_LOG(LOG_ERR, in, "poly-kv-pool: shared sequence has pos [%d, %d], expected [0, %d] - dropping it, full reprocess\n",
-                   (int) own_min, (int) own_max, n - 1);
+    if (own_min < 0 || own_min > need || (in.n_swa == 0 && own_min != 0) || own_max != (llama_pos) (n - 1)) {
+        POLYKV_LOG(LOG_ERR, in, "poly-kv-pool: shared sequence has pos [%d, %d], expected [%d, %d] - dropping it, full reprocess\n",
+                   (int) own_min, (int) own_max, (int) need, n - 1);
         mem.seq_rm(in.id_slot, -1, -1);
         return nullptr;
     }
@@ -233,6 +253,7 @@ server_shared_prefix_outcome polykv_share_run(polykv_share_input in, bool kv_uni
         in.pool_pos_min = llama_memory_seq_pos_min(llama_mem, in.pool_slot);
         in.pool_pos_max = llama_memory_seq_pos_max(llama_mem, in.pool_slot);
     }
+    in.n_swa = polykv_n_swa(mem.ctx_tgt);
 
     polykv_share_decision d = polykv_share_decide(in, n_past);
     auto & out = d.outcome;
@@ -452,31 +473,62 @@ int polykv_pick_slot(const std::vector<polykv_slot_view> & slots, const server_t
     return best;
 }
 
+llama_pos polykv_window_start(int32_t n_swa, llama_pos p) {
+    return n_swa > 0 ? std::max<llama_pos>(0, p - n_swa + 1) : 0;
+}
+
+int32_t polykv_n_swa(llama_context * ctx) {
+    return llama_model_n_swa(llama_get_model(ctx));
+}
+
+int32_t polykv_seq_resident(llama_context * ctx, llama_seq_id seq) {
+    auto *          mem     = llama_get_memory(ctx);
+    const llama_pos pos_min = llama_memory_seq_pos_min(mem, seq);
+    const llama_pos pos_max = llama_memory_seq_pos_max(mem, seq);
+    if (pos_min < 0 || pos_max < 0) {
+        return 0;
+    }
+    const int32_t n_swa = polykv_n_swa(ctx);
+    const bool    whole = n_swa > 0 ? pos_min <= polykv_window_start(n_swa, pos_max + 1) : pos_min == 0;
+    return whole ? (int32_t) pos_max + 1 : 0;
+}
+
 polykv_any_source polykv_share_any_source(const std::vector<polykv_slot_view> & others, const server_tokens & tokens,
                                           const std::string & salt, const std::vector<common_adapter_lora_info> & lora,
                                           int32_t min_tokens, llama_context * ctx) {
     polykv_any_source best;
+    polykv_any_source lost; // the longest prefix whose sliding window is gone
     const int32_t n_max = (int32_t) tokens.size() - 1;
     if (n_max < std::max<int32_t>(min_tokens, 1) || tokens.has_mtmd) {
         return best;
     }
-    auto * mem = llama_get_memory(ctx);
+    auto *        mem   = llama_get_memory(ctx);
+    const int32_t n_swa = polykv_n_swa(ctx);
     for (const auto & s : others) {
         int32_t n = std::min<int32_t>(shareable_prefix(s.prov, s.cached, tokens, salt, lora), n_max);
         if (n < std::max<int32_t>(min_tokens, 1) || n <= best.n) {
             continue;
         }
-        // only cells the sequence holds: a prefilling slot's tokens include those of the batch not decoded yet
-        if (llama_memory_seq_pos_min(mem, s.id) != 0) {
+        // only cells the sequence holds: a prefilling slot's tokens include those of the batch not decoded yet;
+        // with SWA, only if the window of the task's first token (at n) is still there
+        const llama_pos pos_min = llama_memory_seq_pos_min(mem, s.id);
+        if (pos_min < 0 || (n_swa == 0 && pos_min != 0)) {
             continue;
         }
         n = std::min<int32_t>(n, (int32_t) llama_memory_seq_pos_max(mem, s.id) + 1);
+        if (pos_min > polykv_window_start(n_swa, n)) {
+            if (n >= std::max<int32_t>(min_tokens, 1) && n > lost.n) {
+                lost.id = s.id; // reported as "swa_window" by the share if no source holds its window
+                lost.n  = n;
+            }
+            continue;
+        }
         if (n >= std::max<int32_t>(min_tokens, 1) && n > best.n) {
             best.id = s.id;
             best.n  = n;
         }
     }
-    return best;
+    return best.id >= 0 ? best : lost;
 }
 
 int polykv_promote_target(const std::vector<polykv_slot_view> & slots, const server_tokens & tokens, int32_t n,
@@ -508,9 +560,15 @@ bool polykv_copy_prefix(const common_memory & mem, int src, int dst, int32_t n) 
     mem.seq_rm(dst, -1, -1);
     mem.seq_cp(src, dst, 0, n);
     auto * llama_mem = llama_get_memory(mem.ctx_tgt);
+    // with SWA, as in polykv_share_kv, but the pool keeps POLYKV_SWA_POOL_MARGIN cells more: a later prompt often
+    // parts from the promoted prefix a few tokens before its end (another question's first tokens), and a share of
+    // those m < n tokens needs the window of m. (Held by the source too, they stay while it does; then they are
+    // masked cells of the pool's alone, which the SWA cache reuses when it needs room.)
+    const llama_pos keep = polykv_window_start(polykv_n_swa(mem.ctx_tgt), n) - POLYKV_SWA_POOL_MARGIN;
+    polykv_memory_swa_seq_rm(llama_mem, dst, keep);
     const llama_pos pos_min = llama_memory_seq_pos_min(llama_mem, dst);
     const llama_pos pos_max = llama_memory_seq_pos_max(llama_mem, dst);
-    if (pos_min != 0 || pos_max != (llama_pos) (n - 1)) {
+    if (polykv_seq_resident(mem.ctx_tgt, dst) != n || pos_max != (llama_pos) (n - 1)) {
         LOG_ERR("slot %12.*s: id %2d | task -1 | poly-kv-pool: prefix copied from slot %d has pos [%d, %d], expected [0, %d] - dropped\n",
                 12, "polykv_promote", dst, src, (int) pos_min, (int) pos_max, n - 1);
         mem.seq_rm(dst, -1, -1);

@@ -41,7 +41,8 @@ struct server_shared_prefix_outcome {
     int32_t     shared    = 0;  // prompt tokens whose KV came from the pool slot and were not computed
     int32_t     common    = -1; // on "mismatch": number of leading tokens the pool slot does have in common
     int32_t     exact     = -1; // on "inexact": the pool's cells [0, exact) are exact, later ones were shifted (0078)
-    std::string status;         // see docs: hit, copied, own_cache, not_resident, mismatch, salt_mismatch, inexact, pool_busy, self, unsupported, no_prefix, skipped
+    int32_t     window    = -1; // on "swa_window": the first position the pool's sliding-window layers still hold
+    std::string status;         // see docs: hit, copied, own_cache, not_resident, mismatch, salt_mismatch, inexact, swa_window, pool_busy, self, unsupported, no_prefix, skipped
     std::string reason;         // on "unsupported": why
     bool        waited    = false; // --share-any: the prompt waited for another slot to compute the common prefix
     int64_t     t_wait_us = -1;    // when that wait began (ggml_time_us): a wait ends after --share-any-max-wait
@@ -75,15 +76,36 @@ struct polykv_share_input {
     bool not_completion    = false; // not a completion or infill task
     bool multimodal        = false; // a multimodal context, or a prompt with media
     bool no_partial_seq_rm = false; // memory without partial sequence removal (recurrent/hybrid)
-    bool swa               = false; // sliding-window attention
     bool speculative       = false; // speculative decoding (or a draft context)
     bool ctx_shift         = false; // --context-shift
     bool lora_differs      = false; // LoRA adapters differ from the pool slot's (or aLoRA)
 
     bool      pool_busy    = false; // the pool slot is processing a task: its cells can change
-    llama_pos pool_pos_min = -1;    // the pool sequence's positions (polykv_share_run() reads them)
-    llama_pos pool_pos_max = -1;
+    llama_pos pool_pos_min = -1;    // the pool sequence's positions (polykv_share_run() reads them; with SWA the
+    llama_pos pool_pos_max = -1;    // first is that of the sliding-window layers, see polykv_window_start)
+    int32_t   n_swa        = 0;     // the model's sliding window, 0: none (polykv_share_run() reads it)
 };
+
+// Sliding-window attention (SWA: Gemma 2/3, gpt-oss, ...): the KV cache of the SWA layers drops a sequence's cells
+// once they leave its window (llama_kv_cache::find_slot reuses a cell held by that sequence alone and masked for its
+// next position; apply_ubatch then removes the sequence's cells up to it), so what a sequence holds there is a
+// contiguous range [pos_min, pos_max] with pos_min >= 0, and llama_memory_seq_pos_min() reports that pos_min; the
+// full-attention layers keep [0, pos_max]. A token at position p attends to (p - n_swa, p] in a standard window
+// (a chunked one needs less), so cells [0, n) serve a continuation at position p exactly iff the sequence holds
+// [polykv_window_start(n_swa, p), n): a share, a promotion and a pool file are exact under that test and refused
+// ("swa_window") otherwise. Cells a share added to another sequence are held by two and never dropped.
+// The first position a token at position p needs (0 without SWA: n_swa 0).
+llama_pos polykv_window_start(int32_t n_swa, llama_pos p);
+
+// SWA cells below its window a promoted pool keeps, for shares a few tokens shorter than the pool (polykv_copy_prefix)
+constexpr llama_pos POLYKV_SWA_POOL_MARGIN = 64;
+
+// The model's sliding window (llama_model_n_swa), 0 without SWA.
+int32_t polykv_n_swa(llama_context * ctx);
+
+// n such that sequence seq holds every cell a continuation at position n needs (pos_max + 1), or 0 if it holds
+// nothing or its SWA layers dropped part of the window (see polykv_window_start).
+int32_t polykv_seq_resident(llama_context * ctx, llama_seq_id seq);
 
 struct polykv_share_decision {
     server_shared_prefix_outcome outcome; // pool_slot and requested set; status set if refused
@@ -139,7 +161,8 @@ struct polykv_any_source {
 // --share-any: among the other slots whose cells were computed under this salt and LoRA set (busy or idle, reserved
 // or not), the one holding the longest computed, exact prefix of the prompt (capped at n_prompt - 1 and at the
 // slot's exact length, checked against the sequence's positions, so cells a prefilling slot has not computed yet are
-// never counted), if >= min_tokens.
+// never counted), if >= min_tokens. With SWA only a slot that still holds the window of the prompt's first own
+// token counts; if none does, the longest such prefix is returned, for the share to refuse it ("swa_window").
 polykv_any_source polykv_share_any_source(const std::vector<polykv_slot_view> & others, const server_tokens & tokens,
                                           const std::string & salt, const std::vector<common_adapter_lora_info> & lora,
                                           int32_t min_tokens, llama_context * ctx);
@@ -152,7 +175,7 @@ int polykv_promote_target(const std::vector<polykv_slot_view> & slots, const ser
                           const polykv_provenance & prov);
 
 // Replaces sequence dst's cells by src's cells [0, n) (seq_cp: with unified KV no data is copied) and checks dst then
-// holds exactly positions [0, n); false (logged, dst left empty) otherwise.
+// holds positions [0, n) (with SWA: from polykv_window_start(n) on); false (logged, dst left empty) otherwise.
 bool polykv_copy_prefix(const common_memory & mem, int src, int dst, int32_t n);
 
 // --share-any at start: false (logged) without unified KV (a share adds a sequence id to computed cells); where no
@@ -198,8 +221,9 @@ json polykv_shared_decode_state();
 void polykv_shared_prefix_per_choice(json & results);
 
 // Decides whether the task may take cells [0, P) from the pool, given n_past after the normal cache
-// matching. Exact or refused: only if the pool slot is idle, holds cells [0, P) and its cached tokens
-// [0, P) are the task's first P tokens. Changes nothing; logs a refusal ("poly-kv-pool: ...").
+// matching. Exact or refused: only if the pool slot is idle, holds cells [0, P) (with SWA: the window the task's
+// first evaluated token needs, else "swa_window") and its cached tokens [0, P) are the task's first P tokens.
+// Changes nothing; logs a refusal ("poly-kv-pool: ...").
 polykv_share_decision polykv_share_decide(const polykv_share_input & in, int n_past);
 
 // Puts the pool's cells [0, n) into the slot's sequence (with unified KV by adding the sequence id to

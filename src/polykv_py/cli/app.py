@@ -27,9 +27,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_fetch_model(args: argparse.Namespace) -> int:
-    from ..models import default_model_path
+    from ..models import KNOWN_MODELS, known_model_path
 
-    print(default_model_path())
+    print(known_model_path(KNOWN_MODELS[args.name]))
     return 0
 
 
@@ -47,7 +47,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("info", help="show the native build's record and binary paths")
     p.set_defaults(func=_cmd_info)
 
-    p = sub.add_parser("fetch-model", help="download and verify the default model into the cache")
+    from ..models import DEFAULT_MODEL, KNOWN_MODELS
+
+    p = sub.add_parser("fetch-model", help="download and verify a known model (the default model if none is named)")
+    p.add_argument(
+        "name",
+        nargs="?",
+        default=DEFAULT_MODEL.name,
+        choices=sorted(KNOWN_MODELS),
+        help="; ".join(f"{m.name}: {m.description}" for m in KNOWN_MODELS.values()),
+    )
     p.set_defaults(func=_cmd_fetch_model)
 
     from .serve import register as register_serve

@@ -36,6 +36,23 @@ def _required(get: Callable[[], Path]) -> Path:
         pytest.fail(str(exc), pytrace=False)
 
 
+#: The model families tests that take :func:`family_model` run on: llama (the default model) and Gemma 3
+#: (sliding-window attention), by their :data:`polykv_py.models.KNOWN_MODELS` names (docs/models.md).
+FAMILIES = ("smollm2-135m", "gemma3-270m")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_model(request: pytest.FixtureRequest) -> Path:
+    """Each model family in turn (a test module's servers are started once per family)."""
+    return _required(lambda: resolve_model(request.param))
+
+
+@pytest.fixture(scope="session")
+def gemma_path() -> Path:
+    """Gemma 3 270M (sliding-window attention; fetched and verified on first use)."""
+    return _required(lambda: resolve_model("gemma3-270m"))
+
+
 @pytest.fixture(scope="session")
 def model_path() -> Path:
     """The default GGUF (fetched and verified on first use)."""

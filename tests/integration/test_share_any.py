@@ -1,10 +1,10 @@
 """Zero-config sharing (patch 0077, ``--share-any``): no pool declared, the official ``openai`` package.
 
-Every check but the start-up ones and the byte-for-byte one runs on each model family (``family_model``: the
-default llama model, and Gemma 3 with sliding-window attention, docs/models.md). The patched server is started as
-``polykv serve`` starts it without ``--pool`` (presets.serve_server: share-any and shared decode on), small: 4 agent slots, 8,192 cells, 2 threads, batches of 128 tokens (so a ~600-token
-system message takes several passes to prefill and concurrent requests meet it half computed). The reference
-server gets the same slots, cells and batch size.
+Every check but the start-up ones and the byte-for-byte one runs on each model family (``family_model``: the default
+llama model, and Gemma 3 with sliding-window attention, docs/models.md). The patched server is started as ``polykv
+serve`` starts it without ``--pool`` (presets.serve_server: share-any and shared decode on), small: 4 agent slots,
+8,192 cells, 2 threads, batches of 128 tokens (so a ~600-token system message takes several passes to prefill and
+concurrent requests meet it half computed). The reference server gets the same slots, cells and batch size.
 
 - N concurrent chat requests with one system message and different questions: all but the first report
   ``cached_tokens`` >= the system message's tokens, the server computes at most the first prompt plus the

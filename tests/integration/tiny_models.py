@@ -8,7 +8,6 @@ default model's (copied from its GGUF), so prompts tokenize as in every other te
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import gguf
 import numpy as np
@@ -19,22 +18,21 @@ MAMBA_SHAPE = {"n_layer": 2, "n_embd": 64, "d_state": 16, "d_conv": 4, "dt_rank"
 
 def _copy_tokenizer(src: Path, w: gguf.GGUFWriter) -> None:
     r = gguf.GGUFReader(src)
-
-    def value(key: str) -> Any:
-        return r.fields[key].contents()
-
-    w.add_tokenizer_model(value("tokenizer.ggml.model"))
-    w.add_tokenizer_pre(value("tokenizer.ggml.pre"))
-    w.add_token_list(value("tokenizer.ggml.tokens"))
-    w.add_token_types(value("tokenizer.ggml.token_type"))
-    w.add_token_merges(value("tokenizer.ggml.merges"))
-    w.add_bos_token_id(value("tokenizer.ggml.bos_token_id"))
-    w.add_eos_token_id(value("tokenizer.ggml.eos_token_id"))
-    w.add_unk_token_id(value("tokenizer.ggml.unknown_token_id"))
-    w.add_pad_token_id(value("tokenizer.ggml.padding_token_id"))
-    w.add_add_bos_token(value("tokenizer.ggml.add_bos_token"))
-    w.add_add_space_prefix(value("tokenizer.ggml.add_space_prefix"))
-    w.add_chat_template(value("tokenizer.chat_template"))
+    for key, add in (
+        ("tokenizer.ggml.model", w.add_tokenizer_model),
+        ("tokenizer.ggml.pre", w.add_tokenizer_pre),
+        ("tokenizer.ggml.tokens", w.add_token_list),
+        ("tokenizer.ggml.token_type", w.add_token_types),
+        ("tokenizer.ggml.merges", w.add_token_merges),
+        ("tokenizer.ggml.bos_token_id", w.add_bos_token_id),
+        ("tokenizer.ggml.eos_token_id", w.add_eos_token_id),
+        ("tokenizer.ggml.unknown_token_id", w.add_unk_token_id),
+        ("tokenizer.ggml.padding_token_id", w.add_pad_token_id),
+        ("tokenizer.ggml.add_bos_token", w.add_add_bos_token),
+        ("tokenizer.ggml.add_space_prefix", w.add_add_space_prefix),
+        ("tokenizer.chat_template", w.add_chat_template),
+    ):
+        add(r.fields[key].contents())
 
 
 def write_mamba(path: Path, tokenizer_from: Path, *, seed: int = 0) -> Path:

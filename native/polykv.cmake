@@ -40,9 +40,9 @@ target_sources(server-context PRIVATE
     "${POLYKV_NATIVE_DIR}/server/server-polykv-files.h"
     "${POLYKV_NATIVE_DIR}/server/server-polykv-provenance.cpp"
     "${POLYKV_NATIVE_DIR}/server/server-polykv-provenance.h")
-# PUBLIC: upstream's server-task.h includes server-polykv.h, and llama-server-impl compiles it too
-target_include_directories(server-context PUBLIC "${POLYKV_NATIVE_DIR}/server")
-target_include_directories(server-context PRIVATE "${POLYKV_NATIVE_DIR}/llama")
+# PUBLIC: upstream's server-task.h includes server-polykv.h (which includes polykv-memory.h), and llama-server-impl
+# compiles it too
+target_include_directories(server-context PUBLIC "${POLYKV_NATIVE_DIR}/server" "${POLYKV_NATIVE_DIR}/llama")
 
 # ------------------------------------------------------------------ ggml-cpu
 # One CPU backend (GGML_BACKEND_DL with GGML_CPU_ALL_VARIANTS builds ggml-cpu-<variant> targets: not supported)

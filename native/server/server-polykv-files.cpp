@@ -458,8 +458,10 @@ json kv_settings(const common_params & params) {
 // llama_kv_cache::state_write for a single sequence: u32 n_stream, then per stream u32 cell_count and per cell
 // i32 pos, u32 n_seq_id, [12-byte ext], i32 seq_id, then the stream's data).
 // Only the first non-empty stream can be walked (its data's size is not in the stream), so a state with cells in
-// two streams is refused.
-std::string check_state_cells(const std::vector<char> & state, size_t n_tokens, int n_stream_here) {
+// two streams is refused. A purely recurrent memory (llama_memory_recurrent::state_write: u32 cell_count, then per
+// cell i32 pos, u32 n_seq_id) holds one state, after position n-1; a hybrid one writes its attention cells first
+// (walked here) and its state after their data (checked once loaded: polykv_seq_resident).
+std::string check_state_cells(const std::vector<char> & state, size_t n_tokens, int n_stream_here, bool recurrent) {
     const auto * p   = reinterpret_cast<const uint8_t *>(state.data());
     const size_t n   = state.size();
     auto         u32 = [&](size_t off) {
@@ -470,6 +472,15 @@ std::string check_state_cells(const std::vector<char> & state, size_t n_tokens, 
     }
     if (u32(0) != 0xAF143CD8u) { // llama_context's io_magic
         return "the state does not start with llama's state magic";
+    }
+    if (recurrent) {
+        if (n < 20 || u32(8) != 1 || u32(16) != 0) {
+            return "the state is not one recurrent state of one sequence";
+        }
+        if ((int32_t) u32(12) != (int32_t) n_tokens - 1) {
+            return string_format("the recurrent state follows position %d, not %zu", (int32_t) u32(12), n_tokens - 1);
+        }
+        return "";
     }
     const uint32_t n_stream = u32(8);
     if ((int) n_stream != n_stream_here) {
@@ -659,7 +670,7 @@ json polykv_pool_files::save(llama_context * ctx, llama_seq_id seq_id, const lla
     auto *          mem = llama_get_memory(ctx);
     const llama_pos p0  = llama_memory_seq_pos_min(mem, seq_id);
     const llama_pos p1  = llama_memory_seq_pos_max(mem, seq_id);
-    if (polykv_seq_resident(ctx, seq_id) != (int32_t) tokens.size() || p1 != (llama_pos) tokens.size() - 1) {
+    if (polykv_seq_resident(ctx, seq_id) != (int32_t) tokens.size()) {
         throw std::runtime_error(string_format("the pool's KV holds positions [%d, %d], not its %zu tokens", p0, p1, tokens.size()));
     }
 
@@ -847,7 +858,8 @@ polykv_pool_file polykv_pool_files::read(const std::string & path, const json & 
     }
 
     // the state's cells: one per position 0..n-1, one sequence (checked before anything is loaded)
-    const std::string cells = check_state_cells(out.state, out.tokens.size(), kv_json_.value("n_stream", 1));
+    const std::string cells = check_state_cells(out.state, out.tokens.size(), kv_json_.value("n_stream", 1),
+                                                  llama_model_is_recurrent(model_));
     if (!cells.empty()) {
         throw std::runtime_error("damaged file (" + cells + ")");
     }
@@ -862,7 +874,7 @@ json polykv_pool_files::load(llama_context * ctx, llama_seq_id seq_id, const pol
     const size_t n = llama_state_seq_set_data(ctx, (const uint8_t *) file.state.data(), file.state.size(), seq_id);
     const llama_pos p0 = llama_memory_seq_pos_min(mem, seq_id);
     const llama_pos p1 = llama_memory_seq_pos_max(mem, seq_id);
-    if (n == 0 || polykv_seq_resident(ctx, seq_id) != (int32_t) file.tokens.size() || p1 != (llama_pos) file.tokens.size() - 1) {
+    if (n == 0 || polykv_seq_resident(ctx, seq_id) != (int32_t) file.tokens.size()) {
         llama_memory_seq_rm(mem, seq_id, -1, -1);
         throw std::runtime_error(n == 0
             ? string_format("the KV cache has no room for its %zu cells (free cells are held by other slots) or refused its layout", file.tokens.size())

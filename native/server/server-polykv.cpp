@@ -1,7 +1,7 @@
 #include "server-polykv.h"
 
 #include "server-polykv-files.h" // polykv_pool_files::identity (0075)
-#include "polykv-memory.h"       // polykv_memory_swa_seq_rm
+#include "polykv-memory.h"       // polykv_memory_swa_seq_rm, polykv_memory_rs_pos, polykv_memory_attn_pos_min
 #include "server-task.h"
 
 #include "ggml-backend.h"
@@ -29,6 +29,9 @@ json server_shared_prefix_outcome::to_json() const {
     }
     if (status == "swa_window") {
         res["window"] = window;
+    }
+    if (status == "recurrent_state") {
+        res["state"] = state;
     }
     if (!auto_kind.empty()) {
         res["auto"] = auto_kind;
@@ -122,8 +125,8 @@ polykv_share_decision polykv_share_decide(const polykv_share_input & in, int n_p
         reason = "task type";
     } else if (in.multimodal) {
         reason = "multimodal";
-    } else if (in.no_partial_seq_rm) {
-        reason = "memory without partial sequence removal (recurrent/hybrid)";
+    } else if (in.no_partial_seq_rm && in.pool_rs_pos == POLYKV_MEMORY_NO_PART) {
+        reason = "memory without sequence removal";
     } else if (in.speculative) {
         reason = "speculative decoding";
     } else if (in.ctx_shift) {
@@ -177,6 +180,18 @@ polykv_share_decision polykv_share_decide(const polykv_share_input & in, int n_p
         return d;
     }
 
+    // recurrent layers: the pool's state is exact for a continuation at exactly its position + 1, and the task must
+    // evaluate from P on (a whole-prompt share would re-evaluate token P - 1 from the state that already holds it:
+    // [TAG_PROMPT_LOGITS])
+    if (in.pool_rs_pos != POLYKV_MEMORY_NO_PART && (in.pool_rs_pos != (llama_pos) (n_req - 1) || n_req >= (int) in.tokens->size())) {
+        out.state = (int32_t) in.pool_rs_pos + 1;
+        POLYKV_LOG(LOG_WRN, in, "poly-kv-pool: pool slot %d's recurrent state follows position %d, a share of %d tokens of a "
+                   "%d-token prompt needs it after %d - skipping share, full reprocess\n", id_pool, (int) in.pool_rs_pos, n_req,
+                   (int) in.tokens->size(), n_req - 1);
+        out.status = "recurrent_state";
+        return d;
+    }
+
     // sliding-window layers: the pool must still hold the window of the first token the task evaluates (P, or
     // P - 1 when P is the whole prompt: [TAG_PROMPT_LOGITS]); a pool forked at its full length always does
     const llama_pos p_first = std::min<llama_pos>(n_req, (llama_pos) in.tokens->size() - 1);
@@ -216,12 +231,14 @@ const char * polykv_share_kv(const polykv_share_input & in, int32_t n, const com
     const llama_pos need = polykv_window_start(in.n_swa, std::min<llama_pos>(n, (llama_pos) in.tokens->size() - 1));
     polykv_memory_swa_seq_rm(llama_mem, in.id_slot, need);
 
-    // the sequence must now hold exactly [0, P) (with SWA: from the window's start on in the sliding-window layers)
-    const llama_pos own_min = llama_memory_seq_pos_min(llama_mem, in.id_slot);
+    // the sequence must now hold exactly [0, P) (with SWA: from the window's start on in the sliding-window layers;
+    // with recurrent layers: the state after P - 1)
+    const llama_pos own_min = polykv_memory_attn_pos_min(llama_mem, in.id_slot);
     const llama_pos own_max = llama_memory_seq_pos_max(llama_mem, in.id_slot);
-    if (own_min < 0 || own_min > need || (in.n_swa == 0 && own_min != 0) || own_max != (llama_pos) (n - 1)) {
-        POLYKV_LOG(LOG_ERR, in, "poly-kv-pool: shared sequence has pos [%d, %d], expected [%d, %d] - dropping it, full reprocess\n",
-                   (int) own_min, (int) own_max, (int) need, n - 1);
+    const llama_pos own_rs  = polykv_memory_rs_pos(llama_mem, in.id_slot);
+    if (own_min < 0 || own_min > need || own_max != (llama_pos) (n - 1) || (own_rs != POLYKV_MEMORY_NO_PART && own_rs != own_max)) {
+        POLYKV_LOG(LOG_ERR, in, "poly-kv-pool: shared sequence has pos [%d, %d] (recurrent state %d), expected [%d, %d] - "
+                   "dropping it, full reprocess\n", (int) own_min, (int) own_max, (int) own_rs, (int) need, n - 1);
         mem.seq_rm(in.id_slot, -1, -1);
         return nullptr;
     }
@@ -250,8 +267,9 @@ server_shared_prefix_outcome polykv_share_run(polykv_share_input in, bool kv_uni
                                               int & n_past, server_metrics & metrics) {
     if (in.pool_tokens != nullptr) {
         auto * llama_mem = llama_get_memory(mem.ctx_tgt);
-        in.pool_pos_min = llama_memory_seq_pos_min(llama_mem, in.pool_slot);
+        in.pool_pos_min = polykv_memory_attn_pos_min(llama_mem, in.pool_slot);
         in.pool_pos_max = llama_memory_seq_pos_max(llama_mem, in.pool_slot);
+        in.pool_rs_pos  = polykv_memory_rs_pos(llama_mem, in.pool_slot);
     }
     in.n_swa = polykv_n_swa(mem.ctx_tgt);
 
@@ -483,14 +501,13 @@ int32_t polykv_n_swa(llama_context * ctx) {
 
 int32_t polykv_seq_resident(llama_context * ctx, llama_seq_id seq) {
     auto *          mem     = llama_get_memory(ctx);
-    const llama_pos pos_min = llama_memory_seq_pos_min(mem, seq);
+    const llama_pos pos_min = polykv_memory_attn_pos_min(mem, seq);
     const llama_pos pos_max = llama_memory_seq_pos_max(mem, seq);
-    if (pos_min < 0 || pos_max < 0) {
+    const llama_pos rs_pos  = polykv_memory_rs_pos(mem, seq);
+    if (pos_min < 0 || pos_max < 0 || (rs_pos != POLYKV_MEMORY_NO_PART && rs_pos != pos_max)) {
         return 0;
     }
-    const int32_t n_swa = polykv_n_swa(ctx);
-    const bool    whole = n_swa > 0 ? pos_min <= polykv_window_start(n_swa, pos_max + 1) : pos_min == 0;
-    return whole ? (int32_t) pos_max + 1 : 0;
+    return pos_min <= polykv_window_start(polykv_n_swa(ctx), pos_max + 1) ? (int32_t) pos_max + 1 : 0;
 }
 
 polykv_any_source polykv_share_any_source(const std::vector<polykv_slot_view> & others, const server_tokens & tokens,
@@ -568,7 +585,7 @@ bool polykv_copy_prefix(const common_memory & mem, int src, int dst, int32_t n) 
     polykv_memory_swa_seq_rm(llama_mem, dst, keep);
     const llama_pos pos_min = llama_memory_seq_pos_min(llama_mem, dst);
     const llama_pos pos_max = llama_memory_seq_pos_max(llama_mem, dst);
-    if (polykv_seq_resident(mem.ctx_tgt, dst) != n || pos_max != (llama_pos) (n - 1)) {
+    if (polykv_seq_resident(mem.ctx_tgt, dst) != n) { // n = pos_max + 1, the window and any state there
         LOG_ERR("slot %12.*s: id %2d | task -1 | poly-kv-pool: prefix copied from slot %d has pos [%d, %d], expected [0, %d] - dropped\n",
                 12, "polykv_promote", dst, src, (int) pos_min, (int) pos_max, n - 1);
         mem.seq_rm(dst, -1, -1);

@@ -19,6 +19,7 @@
 //   polykv_add_props, polykv_write_metrics             get_res_props, server-task.cpp (/metrics)
 
 #include "server-common.h" // json, server_tokens, server_metrics
+#include "polykv-memory.h"  // POLYKV_MEMORY_NO_PART
 #include "server-polykv-provenance.h"
 
 #include <cstdint>
@@ -42,7 +43,10 @@ struct server_shared_prefix_outcome {
     int32_t     common    = -1; // on "mismatch": number of leading tokens the pool slot does have in common
     int32_t     exact     = -1; // on "inexact": the pool's cells [0, exact) are exact, later ones were shifted (0078)
     int32_t     window    = -1; // on "swa_window": the first position the pool's sliding-window layers still hold
-    std::string status;         // see docs: hit, copied, own_cache, not_resident, mismatch, salt_mismatch, inexact, swa_window, pool_busy, self, unsupported, no_prefix, skipped
+    int32_t     state     = -1; // on "recurrent_state": the one prefix length the pool's recurrent state is exact for
+                                // (its position + 1; 0: it holds none)
+    std::string status;         // see docs: hit, copied, own_cache, not_resident, mismatch, salt_mismatch, inexact,
+                                // swa_window, recurrent_state, pool_busy, self, unsupported, no_prefix, skipped
     std::string reason;         // on "unsupported": why
     bool        waited    = false; // --share-any: the prompt waited for another slot to compute the common prefix
     int64_t     t_wait_us = -1;    // when that wait began (ggml_time_us): a wait ends after --share-any-max-wait
@@ -75,14 +79,17 @@ struct polykv_share_input {
     // they cannot be taken over safely (reported as "unsupported" with a reason, checked in this order)
     bool not_completion    = false; // not a completion or infill task
     bool multimodal        = false; // a multimodal context, or a prompt with media
-    bool no_partial_seq_rm = false; // memory without partial sequence removal (recurrent/hybrid)
+    bool no_partial_seq_rm = false; // memory without partial sequence removal: recurrent/hybrid (shared under the
+                                    // recurrent rule, see pool_rs_pos) or none at all (refused)
     bool speculative       = false; // speculative decoding (or a draft context)
     bool ctx_shift         = false; // --context-shift
     bool lora_differs      = false; // LoRA adapters differ from the pool slot's (or aLoRA)
 
     bool      pool_busy    = false; // the pool slot is processing a task: its cells can change
-    llama_pos pool_pos_min = -1;    // the pool sequence's positions (polykv_share_run() reads them; with SWA the
-    llama_pos pool_pos_max = -1;    // first is that of the sliding-window layers, see polykv_window_start)
+    llama_pos pool_pos_min = -1;    // the pool sequence's positions (polykv_share_run() reads them): the first of its
+    llama_pos pool_pos_max = -1;    // attention cells (with SWA: of the sliding-window layers, see polykv_window_start;
+                                    // polykv_memory_attn_pos_min) and the last it holds
+    llama_pos pool_rs_pos  = POLYKV_MEMORY_NO_PART; // the position of the pool's recurrent state (polykv_memory_rs_pos)
     int32_t   n_swa        = 0;     // the model's sliding window, 0: none (polykv_share_run() reads it)
 };
 
@@ -94,6 +101,12 @@ struct polykv_share_input {
 // (a chunked one needs less), so cells [0, n) serve a continuation at position p exactly iff the sequence holds
 // [polykv_window_start(n_swa, p), n): a share, a promotion and a pool file are exact under that test and refused
 // ("swa_window") otherwise. Cells a share added to another sequence are held by two and never dropped.
+//
+// Recurrent layers (Mamba, RWKV; hybrid models' recurrent layers: LFM2, Jamba, Qwen3.5) keep one state per sequence,
+// the state after its last token, and seq_cp shares that state (copy-on-write: llama_memory_recurrent::find_slot
+// copies a state held by two sequences before one of them goes on). It is exact for a continuation at exactly one
+// position, its own + 1: a share takes n = that length, and the task must evaluate from n on (n < its prompt);
+// anything else is refused ("recurrent_state"), never served from a state computed for other tokens.
 // The first position a token at position p needs (0 without SWA: n_swa 0).
 llama_pos polykv_window_start(int32_t n_swa, llama_pos p);
 
@@ -104,7 +117,8 @@ constexpr llama_pos POLYKV_SWA_POOL_MARGIN = 64;
 int32_t polykv_n_swa(llama_context * ctx);
 
 // n such that sequence seq holds every cell a continuation at position n needs (pos_max + 1), or 0 if it holds
-// nothing or its SWA layers dropped part of the window (see polykv_window_start).
+// nothing, its SWA layers dropped part of the window (see polykv_window_start) or its recurrent state is not at
+// pos_max. With recurrent memory n is the only continuation the sequence serves.
 int32_t polykv_seq_resident(llama_context * ctx, llama_seq_id seq);
 
 struct polykv_share_decision {

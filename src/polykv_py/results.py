@@ -21,9 +21,9 @@ StopReason = Literal["eos", "length", "stop"]
 
 #: Share statuses after which the agent's prefix KV was not recomputed.
 REUSED_STATUSES = frozenset({"hit", "copied", "own_cache", "self"})
-#: Share statuses that mean the pool no longer holds the base (or holds it shifted, not exact, or, on a sliding-window
-#: model, without the window P needs): re-prime.
-REPRIME_STATUSES = frozenset({"not_resident", "mismatch", "inexact", "swa_window"})
+#: Share statuses that mean the pool no longer holds the base (or holds it shifted, not exact, on a sliding-window
+#: model without the window P needs, or on a recurrent one with its state past P): re-prime.
+REPRIME_STATUSES = frozenset({"not_resident", "mismatch", "inexact", "swa_window", "recurrent_state"})
 #: Status recorded for an agent that was sent without sharing fields.
 NOT_SHARED = "not_shared"
 #: Status recorded for an agent whose request failed.

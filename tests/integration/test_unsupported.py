@@ -8,8 +8,8 @@ sent to the same slot after it was emptied (only
 :data:`~polykv_py.harness.answers.VOLATILE_FIELDS`, and on the sharer's side
 :data:`~polykv_py.harness.answers.SHARE_FIELDS`, removed).
 
-The last test checks the guard that keeps ``n_cache_reuse`` from shifting cells a slot shares. Recurrent
-memory is checked on a tiny random-weight Mamba written by :mod:`tiny_models` (docs/models.md).
+The last test checks the guard that keeps ``n_cache_reuse`` from shifting cells a slot shares. Recurrent and
+hybrid memory share under their own rule: test_recurrent.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tiny_models import write_mamba
 
 from polykv_py.client import Client, Share
 from polykv_py.data import sample_document
@@ -28,7 +27,7 @@ from polykv_py.harness.answers import SHARE_FIELDS, VOLATILE_FIELDS, compare
 from polykv_py.harness.compare import LAYOUT, compare_greedy
 from polykv_py.harness.texts import cut_to_tokens
 from polykv_py.llama_server import LlamaServer
-from polykv_py.presets import POOL_SERVER_ARGS, serve_server, slot_actions_args, slots_args
+from polykv_py.presets import POOL_SERVER_ARGS, slot_actions_args, slots_args
 
 pytestmark = pytest.mark.integration
 
@@ -146,26 +145,3 @@ def test_cache_reuse_skips_shifting_shared_cells(patched_server_bin: Path, model
         assert after["shared_prefix"]["status"] == "hit"
         cmp = compare_greedy(before, after, margins=LAYOUT)  # other cells in use now: LAYOUT margins
         assert cmp.ok, cmp.detail
-
-
-@pytest.fixture(scope="module")
-def mamba_path(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_mamba(tmp_path_factory.mktemp("models") / "tiny-mamba.gguf", model_path)
-
-
-def test_recurrent_memory_is_refused(patched_server_bin: Path, mamba_path: Path, logs: Path) -> None:
-    """Mamba: one recurrent state per sequence, valid at one position; the server's memory cannot drop a
-    sequence's tail (``common_context_can_seq_rm``), so a state cannot be cut back to P: refused."""
-    with pool_like(patched_server_bin, mamba_path, logs, "mamba", []) as srv:
-        refused_like_plain(srv.client, "memory without partial sequence removal (recurrent/hybrid)")
-
-
-def test_share_any_is_off_on_recurrent_memory(mamba_path: Path, logs: Path) -> None:
-    """``polykv serve``'s server on Mamba starts with ``--share-any`` off (a warning), and shares nothing."""
-    with serve_server(0, agent_slots=2, ctx=4096, threads=2, model=mamba_path, log_dir=logs, name="mamba-any") as srv:
-        c = srv.client
-        assert "--share-any: no prefix can be shared here (memory without partial sequence removal" in srv.log_tail(200)
-        base = base_of(c)
-        answers = [c.completion(base + q, **GEN) for q in (QUESTION, QUESTION.replace("docking stations", "bikes"))]
-        assert all("shared_prefix" not in a for a in answers), [a.get("shared_prefix") for a in answers]
-        assert c.metrics().get("llamacpp:polykv_share_any_total", 0.0) == 0.0

@@ -1,0 +1,162 @@
+"""Attention variants the pinned models lack: Qwen3-style QK-norm GQA, and gpt-oss's attention sinks with SWA.
+
+Two random-weight models written by :mod:`tiny_models` (docs/models.md): ``qwen3`` (2 layers, GQA 4/2, head size
+32, RMS norm on Q and K per head) and ``gpt-oss`` (4 layers alternating a 128-token sliding window and full
+attention, a learned sink logit per head, a 4-expert MoE). QK-norm is applied before K is stored, so shared cells
+are the cells the sharer would compute; a sink adds one logit per head to every softmax, which the shared-decode
+kernel (``native/ggml-cpu/polykv-fattn.cpp``) does not implement: it declines such nodes, leaving them to ggml.
+
+- a pool shares its full prompt and a shorter prefix (``hit``), the task computes only the rest and answers as
+  the pristine reference server does computing the whole prompt;
+- ``--shared-decode``: on Qwen3 the path runs (one op per layer and decode batch, shared tiles scored once) and
+  the sharers' answers stay within the layout margins of the server without it; on gpt-oss it never runs (0 ops)
+  and the answers are byte-identical to those of the server without it;
+- ``--share-any`` (``polykv serve``): concurrent plain ``openai`` chat agents over one system message, all but the
+  first report ``cached_tokens`` >= the system message, the server computes at most the first prompt plus the
+  others' suffixes (+5%), and the answers agree with the reference server's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from tiny_models import GPT_OSS_SHAPE, QWEN3_SHAPE, write_gpt_oss, write_qwen3
+
+from bench.multiturn import question_block
+from polykv_py.client import Client, Share
+from polykv_py.data import sample_document
+from polykv_py.harness.answers import compare
+from polykv_py.harness.compare import LAYOUT, compare_chat, compare_greedy
+from polykv_py.harness.texts import cut_to_tokens
+from polykv_py.llama_server import LlamaServer
+from polykv_py.presets import SHARED_DECODE, pool_server, reference_server, serve_server
+
+pytestmark = pytest.mark.integration
+
+CTX = 4096
+GEN: dict[str, Any] = {"n_predict": 8, "temperature": 0, "n_probs": 2, "cache_prompt": True}
+QUESTION = "\n\nQuestion: how many docking stations does the bike-share have?\nAnswer:"
+#: name -> (writer, layers, whether the shared-decode path takes its attention)
+FAMILIES = {
+    "qwen3": (write_qwen3, QWEN3_SHAPE["n_layer"], True),
+    "gpt-oss": (write_gpt_oss, GPT_OSS_SHAPE["n_layer"], False),  # attention sinks: declined
+}
+N_SHARERS = 4
+AGENTS = 4
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def family_path(family: str, model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return FAMILIES[family][0](tmp_path_factory.mktemp("models") / f"tiny-{family}.gguf", model_path)
+
+
+@pytest.fixture(scope="module")
+def ref(family_path: Path, logs: Path) -> Iterator[LlamaServer]:
+    name = f"{family_path.stem}-reference"
+    with reference_server(model=family_path, n_slots=AGENTS, ctx=CTX, threads=2, log_dir=logs, name=name) as s:
+        yield s
+
+
+def like_reference(ref: LlamaServer, prompt: str, got: dict[str, Any]) -> None:
+    with Client(ref.url) as rc:
+        rc.erase_slot(0)
+        theirs = rc.completion(prompt, id_slot=0, **GEN)
+    assert theirs["timings"]["cache_n"] == 0
+    cmp = compare_greedy(got, theirs)
+    assert cmp.ok, f"{cmp.detail}: {got['content']!r} vs {theirs['content']!r}"
+
+
+def test_a_pool_shares_its_prompt_and_a_shorter_prefix(family_path: Path, ref: LlamaServer, logs: Path) -> None:
+    srv = pool_server(model=family_path, n_agents_parallel=2, ctx=CTX, threads=2, track_kv=False, log_dir=logs,
+                      name=f"{family_path.stem}-pool")  # fmt: skip
+    with srv:
+        c = srv.client
+        base = cut_to_tokens(sample_document(), 300, c.tokenize, c.detokenize)
+        c.prime(base, 0)
+        n_pool = len(c.prompt_tokens(base))
+        for p in (n_pool, n_pool - 40):
+            prompt = cut_to_tokens(base, p, c.tokenize, c.detokenize) + QUESTION
+            n = c.shared_prefix_len(base, prompt)
+            got = c.completion(prompt, share=Share(0), id_slot=1, **GEN)
+            assert (got["shared_prefix"]["status"], got["shared_prefix"]["shared"]) == ("hit", n), got["shared_prefix"]
+            assert n >= p - 1 and got["timings"]["prompt_n"] == len(c.prompt_tokens(prompt)) - n
+            like_reference(ref, prompt, got)
+            c.erase_slot(1)
+
+
+def sharers(family_path: Path, logs: Path, on: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The pool primed, then every sharer in one multi-prompt request (batched alike on every run)."""
+    extra = ["-fa", "on", *([SHARED_DECODE] if on else [])]
+    srv = pool_server(model=family_path, n_agents_parallel=N_SHARERS, ctx=CTX, threads=2, extra_args=extra,
+                      track_kv=False, log_dir=logs, name=f"{family_path.stem}-sd-{'on' if on else 'off'}")  # fmt: skip
+    with srv:
+        c = srv.client
+        base = cut_to_tokens(sample_document(), 500, c.tokenize, c.detokenize)
+        c.prime(base, 0)
+        answers = c.completion([base + question_block(i, 0)[0] for i in range(N_SHARERS)], share=Share(0), **GEN)
+        props = c.props()
+    assert isinstance(answers, list) and [a["shared_prefix"]["status"] for a in answers] == ["hit"] * N_SHARERS
+    return answers, props
+
+
+def test_shared_decode_runs_or_declines_exactly(family: str, family_path: Path, logs: Path) -> None:
+    _, n_layer, taken = FAMILIES[family]
+    off, _ = sharers(family_path, logs, on=False)
+    on, props = sharers(family_path, logs, on=True)
+    stats = props["polykv_shared_decode"]
+    if taken:
+        # one op per layer for the pool's prime (one batch), the sharers' suffix batch and each decode step but the
+        # last (whose token is not decoded), as on the default model (test_shared_decode_declines.py)
+        assert stats["ops"] == n_layer * (1 + GEN["n_predict"]) and stats["tiles_shared"] > 0, stats
+        for a, b in zip(off, on, strict=True):
+            assert compare_greedy(a, b, margins=LAYOUT).ok, compare_greedy(a, b, margins=LAYOUT).detail
+    else:
+        assert stats["enabled"] is True and stats["ops"] == 0 and stats["tiles_shared"] == 0, stats
+        for i, (a, b) in enumerate(zip(off, on, strict=True)):
+            same, diff = compare(a, b)
+            assert same, f"sharer {i}: {diff}"
+
+
+def test_concurrent_chat_agents_share_the_system_message(family_path: Path, ref: LlamaServer, logs: Path) -> None:
+    name = f"{family_path.stem}-any"
+    with serve_server(0, agent_slots=AGENTS, ctx=CTX * 2, threads=2, model=family_path, log_dir=logs, name=name) as srv:
+        c = srv.client
+        system = cut_to_tokens(sample_document(), 600, c.tokenize, c.detokenize)
+        convs = [[{"role": "system", "content": system}, {"role": "user", "content": f"Agent {i}: point {i}?"}]
+                 for i in range(AGENTS)]  # fmt: skip
+        prompts = [c.prompt_tokens(c.apply_template(m)) for m in convs]
+        n_sys = min(next(j for j, (x, y) in enumerate(zip(prompts[0], p, strict=False)) if x != y) for p in prompts[1:])
+        before = c.metrics()["llamacpp:prompt_tokens_total"]
+        ours = ask_all(srv, convs)
+        spent = c.metrics()["llamacpp:prompt_tokens_total"] - before
+        m = c.metrics()
+    assert m["llamacpp:polykv_share_hits_total"] >= AGENTS - 1 and m["llamacpp:polykv_share_promoted_total"] >= 1, m
+    hits = sorted(a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in ours)
+    assert all(h >= n_sys for h in hits[1:]), (hits, n_sys)
+    assert spent <= 1.05 * (len(prompts[0]) + sum(len(p) - n_sys for p in prompts[1:])), (spent, n_sys)
+    for i, (a, b) in enumerate(zip(ours, ask_all(ref, convs), strict=True)):
+        cmp = compare_chat(a["choices"][0], b["choices"][0])
+        assert cmp.ok, f"agent {i}: {cmp.detail}"
+
+
+def ask_all(server: LlamaServer, convs: list[list[dict[str, str]]]) -> list[dict[str, Any]]:
+    """The conversations at once, each through the official ``openai`` client."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    greedy: dict[str, Any] = {"temperature": 0, "max_tokens": 8, "logprobs": True, "top_logprobs": 5}
+
+    def ask(m: list[dict[str, str]]) -> dict[str, Any]:
+        messages: Any = m  # the openai package types each role's message apart
+        return client.chat.completions.create(model="m", messages=messages, **greedy).model_dump()
+
+    with ThreadPoolExecutor(len(convs)) as ex:
+        return list(ex.map(ask, convs))

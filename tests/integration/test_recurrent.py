@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pool_checks import assert_like_reference, outcomes, prime_pool
 from tiny_models import write_lfm2, write_mamba
 
-from polykv_py.client import Client, Share
+from polykv_py.client import Share
 from polykv_py.data import sample_document
 from polykv_py.harness.answers import SHARE_FIELDS, VOLATILE_FIELDS, compare
-from polykv_py.harness.compare import compare_greedy
 from polykv_py.harness.texts import cut_to_tokens
 from polykv_py.llama_server import LlamaServer
 from polykv_py.native import ServerKind
@@ -81,31 +81,6 @@ def base(srv: LlamaServer) -> str:
     return cut_to_tokens(sample_document(), 300, srv.client.tokenize, srv.client.detokenize)
 
 
-def prime_pool(c: Client, base: str) -> int:
-    """Fill pool 0 with ``base``: resident with all its tokens, its state after the last one."""
-    c.erase_slot(0)
-    c.prime(base, 0)
-    n = len(c.prompt_tokens(base))
-    (pool,) = c.pools()
-    assert pool.resident and pool.n_tokens == n, pool
-    return n
-
-
-def outcomes(c: Client, status: str) -> float:
-    return c.metrics().get(f'llamacpp:polykv_share_outcomes_total{{status="{status}"}}', 0.0)
-
-
-def assert_like_reference(ref: LlamaServer, prompt: str, got: dict[str, Any]) -> None:
-    """The answer equals the pristine server's computing the whole prompt (token for token, logprobs within
-    the default margins: the state was computed in other batches)."""
-    with Client(ref.url) as rc:
-        rc.erase_slot(0)
-        theirs = rc.completion(prompt, id_slot=0, **GEN)
-    assert theirs["timings"]["cache_n"] == 0
-    cmp = compare_greedy(got, theirs)
-    assert cmp.ok, f"{cmp.detail}: {got['content']!r} vs {theirs['content']!r}"
-
-
 def test_a_pool_shares_its_state_at_its_full_length(srv: LlamaServer, ref: LlamaServer, base: str) -> None:
     c = srv.client
     n_pool = prime_pool(c, base)
@@ -119,7 +94,7 @@ def test_a_pool_shares_its_state_at_its_full_length(srv: LlamaServer, ref: Llama
     assert got["shared_prefix"] == hit
     assert got["timings"]["prompt_n"] == n_prompt - n_pool  # only the question computed
     assert c.metrics()["llamacpp:polykv_share_hits_total"] == hits + 1
-    assert_like_reference(ref, prompt, got)
+    assert_like_reference(ref, prompt, got, GEN)
 
 
 def test_sharers_copy_the_state_and_leave_the_pool_as_it_was(srv: LlamaServer, base: str) -> None:
@@ -156,7 +131,7 @@ def test_a_shorter_prefix_or_the_whole_prompt_is_refused(srv: LlamaServer, ref: 
     }
     assert short["timings"]["prompt_n"] == n_prompt  # computed, nothing taken from the pool
     assert "recurrent state follows position" in srv.log_tail(50)
-    assert_like_reference(ref, prompt, short)
+    assert_like_reference(ref, prompt, short, GEN)
 
     c.erase_slot(1)
     whole = c.completion(base, share=Share(0, n_pool), id_slot=1, **GEN)
@@ -186,7 +161,7 @@ def test_a_pool_file_carries_the_state(srv: LlamaServer, ref: LlamaServer, base:
     got = c.completion(prompt, share=Share(0), id_slot=1, **GEN)
     assert (got["shared_prefix"]["status"], got["shared_prefix"]["shared"]) == ("hit", n_pool), got["shared_prefix"]
     assert got["timings"]["prompt_n"] == len(c.prompt_tokens(prompt)) - n_pool
-    assert_like_reference(ref, prompt, got)
+    assert_like_reference(ref, prompt, got, GEN)
 
 
 def test_share_any_is_off(recurrent_model: Path, logs: Path) -> None:

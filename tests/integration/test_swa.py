@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pool_checks import assert_like_reference, outcomes, prime_pool
 
 from polykv_py.client import Client, Share
 from polykv_py.data import sample_document
-from polykv_py.harness.compare import compare_greedy
 from polykv_py.harness.texts import cut_to_tokens
 from polykv_py.llama_server import LlamaServer
 from polykv_py.native import ServerKind
@@ -76,29 +76,6 @@ def texts(srv: LlamaServer) -> tuple[str, str]:
     return base, base + "\n\n" + extra
 
 
-def swa_refusals(c: Client) -> float:
-    return c.metrics().get('llamacpp:polykv_share_outcomes_total{status="swa_window"}', 0.0)
-
-
-def assert_like_reference(ref: LlamaServer, prompt: str, got: dict[str, Any]) -> None:
-    with Client(ref.url) as rc:
-        rc.erase_slot(0)
-        theirs = rc.completion(prompt, id_slot=0, **GEN)
-    assert theirs["timings"]["cache_n"] == 0
-    cmp = compare_greedy(got, theirs)
-    assert cmp.ok, f"{cmp.detail}: {got['content']!r} vs {theirs['content']!r}"
-
-
-def prime_pool(c: Client, prompt: str) -> int:
-    """Fill pool 0 with ``prompt``; the pool is resident with all its tokens (its window counts as resident)."""
-    c.erase_slot(0)
-    c.prime(prompt, 0)
-    n = len(c.prompt_tokens(prompt))
-    (pool,) = c.pools()
-    assert pool.resident and pool.n_tokens == n, pool
-    return n
-
-
 def test_a_pool_shares_at_its_full_length(srv: LlamaServer, ref: LlamaServer, texts: tuple[str, str]) -> None:
     _, pool_prompt = texts
     with Client(srv.url) as c:
@@ -112,7 +89,7 @@ def test_a_pool_shares_at_its_full_length(srv: LlamaServer, ref: LlamaServer, te
     assert got["shared_prefix"] == {"pool_slot": 0, "requested": None, "shared": p, "status": "hit", "auto": "prefix"}
     assert p >= n_pool - 1  # the pool's whole prompt (its last token may merge with the question's first)
     assert got["timings"]["prompt_n"] == n_prompt - p
-    assert_like_reference(ref, prompt, got)
+    assert_like_reference(ref, prompt, got, GEN)
 
 
 def test_a_pool_that_reused_the_window_refuses_a_shorter_share(
@@ -126,16 +103,16 @@ def test_a_pool_that_reused_the_window_refuses_a_shorter_share(
         n_prompt = len(c.prompt_tokens(prompt))
         p = common_prefix_len(c.prompt_tokens(pool_prompt), c.prompt_tokens(prompt))
         assert 600 < p < n_prompt
-        before = swa_refusals(c)
+        before = outcomes(c, "swa_window")
         c.erase_slot(1)
         got = c.completion(prompt, share=Share(0), id_slot=1, **GEN)
-        assert swa_refusals(c) == before + 1
+        assert outcomes(c, "swa_window") == before + 1
     out = got["shared_prefix"]
     assert (out["status"], out["shared"]) == ("swa_window", 0), out
     assert out["window"] > p - N_SWA + 1, out  # the first position the pool's SWA layers hold
     assert got["timings"]["prompt_n"] == n_prompt  # computed, nothing taken from the pool
     assert "sliding-window layers start at position" in srv.log_tail(200)
-    assert_like_reference(ref, prompt, got)
+    assert_like_reference(ref, prompt, got, GEN)
 
 
 def test_swa_full_keeps_every_cell_and_shares_a_shorter_prefix(
@@ -151,7 +128,7 @@ def test_swa_full_keeps_every_cell_and_shares_a_shorter_prefix(
         got = c.completion(prompt, share=Share(0), id_slot=1, **GEN)
     assert got["shared_prefix"] == {"pool_slot": 0, "requested": None, "shared": p, "status": "hit", "auto": "prefix"}
     assert got["timings"]["prompt_n"] == n_prompt - p
-    assert_like_reference(ref, prompt, got)
+    assert_like_reference(ref, prompt, got, GEN)
 
 
 def test_a_pool_file_holds_the_window(srv: LlamaServer, ref: LlamaServer, texts: tuple[str, str]) -> None:
@@ -172,7 +149,7 @@ def test_a_pool_file_holds_the_window(srv: LlamaServer, ref: LlamaServer, texts:
         c.erase_slot(1)
         full = c.completion(prompt, share=Share(0), id_slot=1, **GEN)
         assert full["shared_prefix"]["status"] == "hit" and full["shared_prefix"]["shared"] >= n_pool - 1
-        assert_like_reference(ref, prompt, full)
+        assert_like_reference(ref, prompt, full, GEN)
 
         c.erase_slot(1)
         short = c.completion(base + QUESTION, share=Share(0), id_slot=1, **GEN)

@@ -61,6 +61,20 @@ def _copy_tokenizer(src: Path, w: gguf.GGUFWriter) -> None:
         add(r.fields[key].contents())
 
 
+def _writer(
+    path: Path, arch: gguf.MODEL_ARCH, name: str, tokenizer_from: Path, *, n_layer: int, n_embd: int
+) -> gguf.GGUFWriter:
+    """A writer for ``arch`` with the keys every tiny model has: name, sizes, F32 weights, the tokenizer."""
+    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    w.add_name(f"polykv tiny {name} (random weights)")
+    w.add_context_length(4096)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    _copy_tokenizer(tokenizer_from, w)
+    return w
+
+
 def _n_vocab(tokenizer_from: Path) -> int:
     return len(gguf.GGUFReader(tokenizer_from).fields["tokenizer.ggml.tokens"].data)
 
@@ -90,19 +104,12 @@ def write_mamba(path: Path, tokenizer_from: Path, *, seed: int = 0) -> Path:
     n_vocab = _n_vocab(tokenizer_from)
     rand = _random(seed)
 
-    arch = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MAMBA]
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name("polykv tiny mamba (random weights)")
-    w.add_context_length(4096)
-    w.add_embedding_length(n_embd)
-    w.add_block_count(s["n_layer"])
+    w = _writer(path, gguf.MODEL_ARCH.MAMBA, "mamba", tokenizer_from, n_layer=s["n_layer"], n_embd=n_embd)
     w.add_ssm_conv_kernel(d_conv)
     w.add_ssm_inner_size(d_inner)
     w.add_ssm_state_size(d_state)
     w.add_ssm_time_step_rank(dt_rank)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    _copy_tokenizer(tokenizer_from, w)
 
     # numpy shapes are ggml's {ne0, ne1} reversed
     w.add_tensor("token_embd.weight", rand(n_vocab, n_embd).astype(np.float16))
@@ -131,20 +138,13 @@ def write_lfm2(path: Path, tokenizer_from: Path, *, seed: int = 0) -> Path:
     n_vocab = _n_vocab(tokenizer_from)
     rand = _random(seed)
 
-    arch = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LFM2]
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name("polykv tiny lfm2 (random weights)")
-    w.add_context_length(4096)
-    w.add_embedding_length(n_embd)
-    w.add_block_count(n_layer)
+    w = _writer(path, gguf.MODEL_ARCH.LFM2, "lfm2", tokenizer_from, n_layer=n_layer, n_embd=n_embd)
     w.add_feed_forward_length(n_ff)
     w.add_head_count(n_head)
     w.add_head_count_kv(n_head_kv)
     w.add_rope_freq_base(1000000.0)
     w.add_shortconv_l_cache(l_cache)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    _copy_tokenizer(tokenizer_from, w)
 
     # numpy shapes are ggml's {ne0, ne1} reversed; the output is tied to token_embd
     w.add_tensor("token_embd.weight", rand(n_vocab, n_embd).astype(np.float16))
@@ -179,12 +179,7 @@ def write_qwen3(path: Path, tokenizer_from: Path, *, seed: int = 0) -> Path:
     n_vocab = _n_vocab(tokenizer_from)
     rand = _random(seed)
 
-    arch = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.QWEN3]
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name("polykv tiny qwen3 (random weights)")
-    w.add_context_length(4096)
-    w.add_embedding_length(n_embd)
-    w.add_block_count(n_layer)
+    w = _writer(path, gguf.MODEL_ARCH.QWEN3, "qwen3", tokenizer_from, n_layer=n_layer, n_embd=n_embd)
     w.add_feed_forward_length(n_ff)
     w.add_head_count(n_head)
     w.add_head_count_kv(n_head_kv)
@@ -192,8 +187,6 @@ def write_qwen3(path: Path, tokenizer_from: Path, *, seed: int = 0) -> Path:
     w.add_value_length(head_dim)
     w.add_rope_freq_base(1000000.0)
     w.add_layer_norm_rms_eps(1e-6)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    _copy_tokenizer(tokenizer_from, w)
 
     # numpy shapes are ggml's {ne0, ne1} reversed; the output is tied to token_embd
     w.add_tensor("token_embd.weight", rand(n_vocab, n_embd).astype(np.float16))
@@ -222,12 +215,7 @@ def write_gpt_oss(path: Path, tokenizer_from: Path, *, seed: int = 0) -> Path:
     n_vocab = _n_vocab(tokenizer_from)
     rand = _random(seed)
 
-    arch = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.GPT_OSS]
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name("polykv tiny gpt-oss (random weights)")
-    w.add_context_length(4096)
-    w.add_embedding_length(n_embd)
-    w.add_block_count(n_layer)
+    w = _writer(path, gguf.MODEL_ARCH.GPT_OSS, "gpt-oss", tokenizer_from, n_layer=n_layer, n_embd=n_embd)
     w.add_feed_forward_length(n_ff_exp)
     w.add_head_count(n_head)
     w.add_head_count_kv(n_head_kv)
@@ -240,8 +228,6 @@ def write_gpt_oss(path: Path, tokenizer_from: Path, *, seed: int = 0) -> Path:
     w.add_expert_count(n_expert)
     w.add_expert_used_count(s["n_expert_used"])
     w.add_expert_feed_forward_length(n_ff_exp)  # required
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    _copy_tokenizer(tokenizer_from, w)
 
     # numpy shapes are ggml's {ne0, ne1, ne2} reversed; gpt-oss requires its own output.weight (no tying)
     w.add_tensor("token_embd.weight", rand(n_vocab, n_embd).astype(np.float16))

@@ -64,8 +64,9 @@ struct test_case {
     int DK, DV, n_head, n_head_kv, N, n_kv, threads;
     ggml_type kv_type;
     uint32_t seed;
-    std::string decline = ""; // a node the path must leave to upstream: softcap | alibi | sinks | kv_type | rows
+    std::string decline = ""; // a node the path must leave to upstream: softcap | alibi | kv_type | rows
     int n_priv = -1;          // "prefix"/"holes": private cells after the prefix (-1: a quarter of n_kv)
+    bool sinks = false;       // an attention sink per query head (gpt-oss): a logit in every row's softmax
 };
 
 // visibility of cell c to token i
@@ -197,10 +198,14 @@ result run_case(const test_case & tc, const cpu_switch & sw, int bench_reps = 0,
     const float max_bias = tc.decline == "alibi" ? 8.0f : 0.0f;
     const float softcap  = tc.decline == "softcap" ? 30.0f : 0.0f;
     ggml_tensor * fa = ggml_flash_attn_ext(ctx, q, k, v, mask, scale, max_bias, softcap);
-    if (tc.decline == "sinks") {
+    // sinks above every score on even heads (the row's maximum becomes the sink's), below on odd ones; large enough
+    // that leaving one out moves the output by far more than MAX_ERR
+    std::vector<double> sink(tc.n_head, -INFINITY);
+    if (tc.sinks) {
         ggml_tensor * sinks = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, tc.n_head);
         for (int h = 0; h < tc.n_head; ++h) {
-            ((float *) sinks->data)[h] = nd(rng);
+            ((float *) sinks->data)[h] = (h % 2 == 0 ? 5.0f : -1.0f) + nd(rng);
+            sink[h] = ((float *) sinks->data)[h];
         }
         ggml_flash_attn_ext_add_sinks(fa, sinks);
     }
@@ -208,7 +213,7 @@ result run_case(const test_case & tc, const cpu_switch & sw, int bench_reps = 0,
     ggml_cgraph * gf = ggml_new_graph(ctx);
     ggml_build_forward_expand(gf, fa);
 
-    // reference in double: dst[i, h, :] = softmax(scale q k^T over visible cells) v
+    // reference in double: dst[i, h, :] = softmax(scale q k^T over visible cells, and the sink) v (the sink has no v)
     std::vector<double> ref((size_t) tc.DV * tc.n_head * tc.N, 0.0);
     const int rk2 = tc.n_head / tc.n_head_kv;
     std::vector<double> s(tc.n_kv);
@@ -225,7 +230,8 @@ result run_case(const test_case & tc, const cpu_switch & sw, int bench_reps = 0,
                 s[c] = d*scale;
                 mx = std::max(mx, s[c]);
             }
-            double sum = 0;
+            mx = std::max(mx, sink[h]);
+            double sum = tc.sinks ? std::exp(sink[h] - mx) : 0.0;
             double * out = ref.data() + ((size_t) i*tc.n_head + h)*tc.DV;
             for (int c = 0; c < tc.n_kv; ++c) {
                 if (s[c] == -INFINITY) { continue; }
@@ -259,7 +265,7 @@ result run_case(const test_case & tc, const cpu_switch & sw, int bench_reps = 0,
     sw.stats(after);
     const std::vector<float> on = output();
 
-    // (the reference knows no ALiBi, softcap or sinks: a declined node is only compared with upstream's)
+    // (the reference knows no ALiBi or softcap: a declined node is only compared with upstream's)
     res.err_off = max_abs(off, ref);
     res.err_on  = max_abs(on, ref);
     std::vector<double> offd(off.begin(), off.end());
@@ -500,10 +506,14 @@ int main(int argc, char ** argv) {
     cases.push_back({ "holes", 64, 64, 4, 4, 100, 1000, 3, GGML_TYPE_Q8_0, seed++ });
     cases.push_back({ "causal", 64, 64, 9, 3, 200, 777, 2, GGML_TYPE_F16, seed++ });
     cases.push_back({ "causal", 128, 128, 16, 2, 511, 600, 1, GGML_TYPE_F16, seed++ });
+    // attention sinks (gpt-oss: GQA 64/8, head size 64): decode and prompt batches, f16 and q8_0, every mask kind
+    cases.push_back({ "prefix", 64, 64, 8, 2, 16, 700, 2, GGML_TYPE_F16, seed++, "", -1, true });
+    cases.push_back({ "holes", 64, 64, 8, 2, 4, 1500, 3, GGML_TYPE_Q8_0, seed++, "", -1, true });
+    cases.push_back({ "random", 64, 64, 8, 8, 33, 777, 1, GGML_TYPE_F16, seed++, "", -1, true });
+    cases.push_back({ "causal", 64, 64, 8, 2, 200, 777, 2, GGML_TYPE_F16, seed++, "", -1, true });
     // nodes the path must decline (switch on, upstream's kernel computes them, bit for bit as with it off)
     cases.push_back({ "prefix", 64, 64, 9, 3, 16, 700, 2, GGML_TYPE_F16, seed++, "softcap" });
     cases.push_back({ "prefix", 64, 64, 8, 8, 16, 700, 2, GGML_TYPE_F16, seed++, "alibi" });
-    cases.push_back({ "prefix", 64, 64, 9, 3, 16, 700, 2, GGML_TYPE_F16, seed++, "sinks" });
     cases.push_back({ "prefix", 64, 64, 9, 3, 16, 700, 2, GGML_TYPE_Q4_0, seed++, "kv_type" });
     cases.push_back({ "prefix", 64, 64, 9, 3, 16, 700, 2, GGML_TYPE_Q5_1, seed++, "kv_type" });
     cases.push_back({ "prefix", 64, 64, 9, 3, 1, 700, 2, GGML_TYPE_F16, seed++, "rows" });
@@ -512,11 +522,11 @@ int main(int argc, char ** argv) {
     int bad = 0;
     for (const test_case & tc : cases) {
         const result r = run_case(tc, sw);
-        printf("{\"decline\": \"%s\", \"layout\": \"%s\", \"DK\": %d, \"n_head\": %d, \"n_head_kv\": %d, \"N\": %d, \"n_kv\": %d, "
+        printf("{\"decline\": \"%s\", \"sinks\": %s, \"layout\": \"%s\", \"DK\": %d, \"n_head\": %d, \"n_head_kv\": %d, \"N\": %d, \"n_kv\": %d, "
                "\"threads\": %d, \"kv_type\": \"%s\", \"err_off\": %.3g, \"err_on\": %.3g, \"on_vs_off\": %.3g, "
                "\"err_avx2\": %.3g, \"err_scalar\": %.3g, \"ops\": %llu, \"tiles_shared\": %llu, "
                "\"tiles_private\": %llu, \"tiles_skipped\": %llu}\n",
-               tc.decline.c_str(), tc.layout.c_str(), tc.DK, tc.n_head, tc.n_head_kv, tc.N, tc.n_kv, tc.threads,
+               tc.decline.c_str(), tc.sinks ? "true" : "false", tc.layout.c_str(), tc.DK, tc.n_head, tc.n_head_kv, tc.N, tc.n_kv, tc.threads,
                ggml_type_name(tc.kv_type), r.err_off, r.err_on, r.on_vs_off, r.err_avx2, r.err_scalar,
                (unsigned long long) r.ops, (unsigned long long) r.shared, (unsigned long long) r.priv,
                (unsigned long long) r.skipped);

@@ -10,7 +10,8 @@
 //     private tile (each cell seen by few rows): per row, only the cells it sees
 //   the chunk's (M, S, ACC) per row go to a partials buffer; after a barrier each row's chunks
 //   are merged in chunk order (log-sum-exp) and written to dst: the result does not depend on
-//   which thread took which chunk.
+//   which thread took which chunk. An attention sink (gpt-oss: a learned logit per query head) joins
+//   that merge as one more term of the softmax's sum, with no value, as upstream's kernels add it.
 //
 // POLYKV_FA_CORE_ONLY builds only the computation (namespace POLYKV_FA_NS), so a test can compile
 // it again with other instruction sets (AVX2, none) and compare every variant on one machine.
@@ -62,6 +63,7 @@ struct problem {
     const char * v; size_t nbv1, nbv2, nbv3; int v_kind;
     const char * mask; size_t nbm1, nbm3; int64_t mask_ne3;
     float scale;
+    const float * sinks; // one logit per query head, or nullptr
     char * dst; size_t nb1;
     // derived
     int64_t Rg, Rp;       // rows of one KV head (tokens x its query heads), padded
@@ -570,13 +572,27 @@ static void reduce_rows(const problem & p, int64_t gr0, int64_t gr1, const float
             S = S*so + part[1]*sn;
             M = Mn;
         }
+        const int64_t i1 = gr % p.N;
+        const int64_t i2 = (gr / p.N) % p.n_head;
+        const int64_t i3 = gr / (p.N*p.n_head);
+        if (p.sinks != nullptr) { // as ggml_compute_forward_flash_attn_ext_f16_one_chunk: exp(sink - M) joins S
+            const float sink = p.sinks[i2];
+            float ms = 1.0f, vs = 1.0f;
+            if (sink > M) {
+                ms = expf(M - sink);
+                M  = sink;
+                for (int64_t d = 0; d < DV; ++d) {
+                    tmp[d] *= ms;
+                }
+            } else {
+                vs = expf(sink - M);
+            }
+            S = S*ms + vs;
+        }
         const float S_inv = S == 0.0f ? 0.0f : 1.0f/S;
         for (int64_t d = 0; d < DV; ++d) {
             tmp[d] *= S_inv;
         }
-        const int64_t i1 = gr % p.N;
-        const int64_t i2 = (gr / p.N) % p.n_head;
-        const int64_t i3 = gr / (p.N*p.n_head);
         // dst is [DV, n_head, N, ne3] (permuted back)
         memcpy(p.dst + (i3*p.N*p.n_head + i2 + i1*p.n_head)*p.nb1, tmp, sizeof(float)*DV);
     }
@@ -598,7 +614,10 @@ static bool describe(const ggml_tensor * dst, int nth, problem & p) {
     const ggml_tensor * mask  = dst->src[3];
     const ggml_tensor * sinks = dst->src[4];
 
-    if (dst->op != GGML_OP_FLASH_ATTN_EXT || !q || !k || !v || !mask || sinks) {
+    if (dst->op != GGML_OP_FLASH_ATTN_EXT || !q || !k || !v || !mask) {
+        return false;
+    }
+    if (sinks && (sinks->type != GGML_TYPE_F32 || sinks->ne[0] != q->ne[2] || sinks->nb[0] != sizeof(float))) {
         return false;
     }
     const int k_kind = kv_kind_of(k->type);
@@ -638,6 +657,7 @@ static bool describe(const ggml_tensor * dst, int nth, problem & p) {
     p.v = (const char *) v->data; p.nbv1 = v->nb[1]; p.nbv2 = v->nb[2]; p.nbv3 = v->nb[3]; p.v_kind = v_kind;
     p.mask = (const char *) mask->data; p.nbm1 = mask->nb[1]; p.nbm3 = mask->nb[3]; p.mask_ne3 = mask->ne[3];
     p.scale = scale;
+    p.sinks = sinks ? (const float *) sinks->data : nullptr;
     p.dst = (char *) dst->data; p.nb1 = dst->nb[1];
     p.Rg = N*p.rk2;
     p.Rp = round_up(p.Rg, RPAD);

@@ -6,7 +6,8 @@ prefix with interleaved private cells, whole tiles nobody sees, random masks), w
 1/3/8, head sizes 64/128, f16 and q8_0 KV and 1-3 threads, once with the path off (upstream's
 kernel) and once on, against a double-precision reference; on x86-64 also the same computation
 compiled for AVX2 and without SIMD; also prompt batches of 64-511 rows (several agents' turns, one
-sequence's causal prompt). Nodes the path must leave to upstream (softcap, ALiBi, sinks,
+sequence's causal prompt), and attention sinks (gpt-oss: one logit per query head in every softmax,
+above the row's scores on some heads). Nodes the path must leave to upstream (softcap, ALiBi,
 other KV types, 1 or 512+ rows) are computed with the switch on and must come out bit for bit as
 upstream's. The kernel source must also compile where ggml's vectors are sizeless (ARM SVE,
 RISC-V RVV): checked with the cross compilers when they are installed.
@@ -104,14 +105,18 @@ def test_shared_private_and_masked_tiles_are_all_exercised(cases: list[dict[str,
     assert all(c["tiles_private"] > 0 for c in by["prefix"] + by["holes"] if c["N"] >= 16)
     # prompt batches of 64-511 rows (agents' turns over their transcripts, one sequence's causal prompt)
     assert {c["layout"] for c in cases if c["N"] >= UPSTREAM_TILED_ROWS} == {"prefix", "holes", "causal"}
-    assert {c["n_head"] // c["n_head_kv"] for c in cases} == {1, 3, 8}
+    assert {c["n_head"] // c["n_head_kv"] for c in cases} == {1, 3, 4, 8}  # 4: the gpt-oss-shaped sink cases
     assert {c["DK"] for c in cases} == {64, 128}
     assert {c["kv_type"] for c in cases} == {"f16", "q8_0"}
+    # sinks in decode and prompt batches, over f16 and q8_0 KV
+    with_sinks = [c for c in cases if c["sinks"]]
+    assert {c["layout"] for c in with_sinks} == {"prefix", "holes", "random", "causal"}
+    assert {c["kv_type"] for c in with_sinks} == {"f16", "q8_0"}
 
 
 def test_unsupported_nodes_are_declined_and_left_to_upstream(all_cases: list[dict[str, Any]]) -> None:
     declined = [c for c in all_cases if c["decline"]]
-    assert {c["decline"] for c in declined} == {"softcap", "alibi", "sinks", "kv_type", "rows"}
+    assert {c["decline"] for c in declined} == {"softcap", "alibi", "kv_type", "rows"}
     assert {c["kv_type"] for c in declined if c["decline"] == "kv_type"} >= {"q4_0", "q5_1"}
     assert {c["N"] for c in declined if c["decline"] == "rows"} == {1, 512}
     for c in declined:

@@ -4,13 +4,14 @@ Two random-weight models written by :mod:`tiny_models` (docs/models.md): ``qwen3
 32, RMS norm on Q and K per head) and ``gpt-oss`` (4 layers alternating a 128-token sliding window and full
 attention, a learned sink logit per head, a 4-expert MoE). QK-norm is applied before K is stored, so shared cells
 are the cells the sharer would compute; a sink adds one logit per head to every softmax, which the shared-decode
-kernel (``native/ggml-cpu/polykv-fattn.cpp``) does not implement: it declines such nodes, leaving them to ggml.
+kernel (``native/ggml-cpu/polykv-fattn.cpp``) adds when it merges a row's chunks.
 
 - a pool shares its full prompt and a shorter prefix (``hit``), the task computes only the rest and answers as
   the pristine reference server does computing the whole prompt;
-- ``--shared-decode``: on Qwen3 the path runs (one op per layer and decode batch, shared tiles scored once) and
-  the sharers' answers stay within the layout margins of the server without it; on gpt-oss it never runs (0 ops)
-  and the answers are byte-identical to those of the server without it;
+- ``--shared-decode`` runs on both (one op per layer and batch, shared tiles scored once: on gpt-oss in its
+  sliding-window layers and with its sinks too) and the sharers' answers stay within the layout margins of the
+  server without it (the kernel's sink arithmetic is checked against a double reference in
+  tests/native/test_fattn_kernel.py);
 - ``--share-any`` (``polykv serve``): concurrent plain ``openai`` chat agents over one system message, all but the
   first report ``cached_tokens`` >= the system message, the server computes at most the first prompt plus the
   others' suffixes (+5%), and the answers agree with the reference server's.
@@ -25,10 +26,11 @@ from typing import Any
 
 import openai
 import pytest
+from pool_checks import assert_like_reference
 from tiny_models import GPT_OSS_SHAPE, QWEN3_SHAPE, write_gpt_oss, write_qwen3
 
 from bench.multiturn import question_block
-from polykv_py.client import Client, Share
+from polykv_py.client import Share
 from polykv_py.data import sample_document
 from polykv_py.harness.answers import compare
 from polykv_py.harness.compare import LAYOUT, compare_chat, compare_greedy
@@ -41,11 +43,8 @@ pytestmark = pytest.mark.integration
 CTX = 4096
 GEN: dict[str, Any] = {"n_predict": 8, "temperature": 0, "n_probs": 2, "cache_prompt": True}
 QUESTION = "\n\nQuestion: how many docking stations does the bike-share have?\nAnswer:"
-#: name -> (writer, layers, whether the shared-decode path takes its attention)
-FAMILIES = {
-    "qwen3": (write_qwen3, QWEN3_SHAPE["n_layer"], True),
-    "gpt-oss": (write_gpt_oss, GPT_OSS_SHAPE["n_layer"], False),  # attention sinks: declined
-}
+#: name -> (writer, layers)
+FAMILIES = {"qwen3": (write_qwen3, QWEN3_SHAPE["n_layer"]), "gpt-oss": (write_gpt_oss, GPT_OSS_SHAPE["n_layer"])}
 N_SHARERS = 4
 AGENTS = 4
 
@@ -67,15 +66,6 @@ def ref(family_path: Path, logs: Path) -> Iterator[LlamaServer]:
         yield s
 
 
-def like_reference(ref: LlamaServer, prompt: str, got: dict[str, Any]) -> None:
-    with Client(ref.url) as rc:
-        rc.erase_slot(0)
-        theirs = rc.completion(prompt, id_slot=0, **GEN)
-    assert theirs["timings"]["cache_n"] == 0
-    cmp = compare_greedy(got, theirs)
-    assert cmp.ok, f"{cmp.detail}: {got['content']!r} vs {theirs['content']!r}"
-
-
 def test_a_pool_shares_its_prompt_and_a_shorter_prefix(family_path: Path, ref: LlamaServer, logs: Path) -> None:
     srv = pool_server(model=family_path, n_agents_parallel=2, ctx=CTX, threads=2, track_kv=False, log_dir=logs,
                       name=f"{family_path.stem}-pool")  # fmt: skip
@@ -90,7 +80,7 @@ def test_a_pool_shares_its_prompt_and_a_shorter_prefix(family_path: Path, ref: L
             got = c.completion(prompt, share=Share(0), id_slot=1, **GEN)
             assert (got["shared_prefix"]["status"], got["shared_prefix"]["shared"]) == ("hit", n), got["shared_prefix"]
             assert n >= p - 1 and got["timings"]["prompt_n"] == len(c.prompt_tokens(prompt)) - n
-            like_reference(ref, prompt, got)
+            assert_like_reference(ref, prompt, got, GEN)
             c.erase_slot(1)
 
 
@@ -109,22 +99,19 @@ def sharers(family_path: Path, logs: Path, on: bool) -> tuple[list[dict[str, Any
     return answers, props
 
 
-def test_shared_decode_runs_or_declines_exactly(family: str, family_path: Path, logs: Path) -> None:
-    _, n_layer, taken = FAMILIES[family]
+def test_shared_decode_runs_and_answers_alike(family: str, family_path: Path, logs: Path) -> None:
+    n_layer = FAMILIES[family][1]
     off, _ = sharers(family_path, logs, on=False)
     on, props = sharers(family_path, logs, on=True)
     stats = props["polykv_shared_decode"]
-    if taken:
-        # one op per layer for the pool's prime (one batch), the sharers' suffix batch and each decode step but the
-        # last (whose token is not decoded), as on the default model (test_shared_decode_declines.py)
-        assert stats["ops"] == n_layer * (1 + GEN["n_predict"]) and stats["tiles_shared"] > 0, stats
-        for a, b in zip(off, on, strict=True):
-            assert compare_greedy(a, b, margins=LAYOUT).ok, compare_greedy(a, b, margins=LAYOUT).detail
-    else:
-        assert stats["enabled"] is True and stats["ops"] == 0 and stats["tiles_shared"] == 0, stats
-        for i, (a, b) in enumerate(zip(off, on, strict=True)):
-            same, diff = compare(a, b)
-            assert same, f"sharer {i}: {diff}"
+    # one op per layer and batch of 2-511 rows: at least the sharers' suffix batch and each decode step but the last
+    # (whose token is not decoded); on gpt-oss upstream also ends a prompt's batches a few tokens early to checkpoint
+    # its sliding-window layers (measured: 11 batches, Qwen3 9)
+    assert stats["ops"] % n_layer == 0 and stats["ops"] >= n_layer * GEN["n_predict"], stats
+    assert stats["tiles_shared"] > 0, stats
+    assert any(not compare(a, b)[0] for a, b in zip(off, on, strict=True))  # the path's rounding reached them
+    for a, b in zip(off, on, strict=True):
+        assert compare_greedy(a, b, margins=LAYOUT).ok, compare_greedy(a, b, margins=LAYOUT).detail
 
 
 def test_concurrent_chat_agents_share_the_system_message(family_path: Path, ref: LlamaServer, logs: Path) -> None:

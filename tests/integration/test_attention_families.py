@@ -26,17 +26,16 @@ from typing import Any
 
 import openai
 import pytest
-from pool_checks import assert_like_reference
+from pool_checks import assert_like_reference, outcomes, prime_pool, sharers_at_once
 from tiny_models import GPT_OSS_SHAPE, QWEN3_SHAPE, write_gpt_oss, write_qwen3
 
-from bench.multiturn import question_block
 from polykv_py.client import Share
 from polykv_py.data import sample_document
 from polykv_py.harness.answers import compare
 from polykv_py.harness.compare import LAYOUT, compare_chat, compare_greedy
 from polykv_py.harness.texts import cut_to_tokens
 from polykv_py.llama_server import LlamaServer
-from polykv_py.presets import SHARED_DECODE, pool_server, reference_server, serve_server
+from polykv_py.presets import pool_server, reference_server, serve_server
 
 pytestmark = pytest.mark.integration
 
@@ -84,25 +83,52 @@ def test_a_pool_shares_its_prompt_and_a_shorter_prefix(family_path: Path, ref: L
             c.erase_slot(1)
 
 
-def sharers(family_path: Path, logs: Path, on: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The pool primed, then every sharer in one multi-prompt request (batched alike on every run)."""
-    extra = ["-fa", "on", *([SHARED_DECODE] if on else [])]
-    srv = pool_server(model=family_path, n_agents_parallel=N_SHARERS, ctx=CTX, threads=2, extra_args=extra,
-                      track_kv=False, log_dir=logs, name=f"{family_path.stem}-sd-{'on' if on else 'off'}")  # fmt: skip
+def test_a_pool_file_restores_and_shares(family_path: Path, ref: LlamaServer, logs: Path) -> None:
+    srv = pool_server(model=family_path, n_agents_parallel=2, ctx=CTX, threads=2, track_kv=False, log_dir=logs,
+                      name=f"{family_path.stem}-files")  # fmt: skip
     with srv:
         c = srv.client
-        base = cut_to_tokens(sample_document(), 500, c.tokenize, c.detokenize)
-        c.prime(base, 0)
-        answers = c.completion([base + question_block(i, 0)[0] for i in range(N_SHARERS)], share=Share(0), **GEN)
-        props = c.props()
-    assert isinstance(answers, list) and [a["shared_prefix"]["status"] for a in answers] == ["hit"] * N_SHARERS
-    return answers, props
+        base = cut_to_tokens(sample_document(), 300, c.tokenize, c.detokenize)
+        n_pool = prime_pool(c, base)
+        assert c.save_pool(0, "family.pkvpool")["n_saved"] == n_pool
+        c.erase_slot(0)
+        c.restore_pool(0, "family.pkvpool")
+        (pool,) = c.pools()
+        assert pool.resident and pool.n_tokens == n_pool and pool.restored_from == "family.pkvpool", pool
+        prompt = base + QUESTION
+        got = c.completion(prompt, share=Share(0), id_slot=1, **GEN)
+        assert (got["shared_prefix"]["status"], got["shared_prefix"]["shared"]) == ("hit", n_pool), got["shared_prefix"]
+        assert got["timings"]["prompt_n"] == len(c.prompt_tokens(prompt)) - n_pool
+    assert_like_reference(ref, prompt, got, GEN)
+
+
+def test_gpt_oss_refuses_a_prefix_whose_window_was_reused(
+    model_path: Path, tmp_path_factory: pytest.TempPathFactory, logs: Path
+) -> None:
+    """gpt-oss's 128-token window: a pool of 1,500 tokens filled its sliding-window cache (about the window per
+    slot and a batch), which reused the cells of its early positions; a share of its first 400 tokens needs
+    positions 273-399 there: refused ``swa_window``, counted, nothing shared."""
+    gpt_oss = write_gpt_oss(tmp_path_factory.mktemp("models") / "tiny-gpt-oss.gguf", model_path)
+    srv = pool_server(model=gpt_oss, n_agents_parallel=2, ctx=CTX, threads=2, track_kv=False, log_dir=logs,
+                      name="gpt-oss-window")  # fmt: skip
+    with srv:
+        c = srv.client
+        doc = sample_document()
+        base = cut_to_tokens(doc, 400, c.tokenize, c.detokenize)
+        prime_pool(c, base + cut_to_tokens(doc.replace("Lanternfish", "Harbour"), 1100, c.tokenize, c.detokenize))
+        prompt = base + QUESTION
+        got = c.completion(prompt, share=Share(0), id_slot=1, **GEN)
+        assert outcomes(c, "swa_window") == 1
+        assert got["timings"]["prompt_n"] == len(c.prompt_tokens(prompt))  # computed, nothing taken from the pool
+    out = got["shared_prefix"]
+    assert (out["status"], out["shared"]) == ("swa_window", 0), out
+    assert out["window"] > 400 - GPT_OSS_SHAPE["n_swa"] + 1, out
 
 
 def test_shared_decode_runs_and_answers_alike(family: str, family_path: Path, logs: Path) -> None:
     n_layer = FAMILIES[family][1]
-    off, _ = sharers(family_path, logs, on=False)
-    on, props = sharers(family_path, logs, on=True)
+    off, _ = sharers_at_once(family_path, logs, shared_decode=False, n=N_SHARERS, gen=GEN)
+    on, props = sharers_at_once(family_path, logs, shared_decode=True, n=N_SHARERS, gen=GEN)
     stats = props["polykv_shared_decode"]
     # one op per layer and batch of 2-511 rows: at least the sharers' suffix batch and each decode step but the last
     # (whose token is not decoded); on gpt-oss upstream also ends a prompt's batches a few tokens early to checkpoint

@@ -12,6 +12,8 @@ LFM2 (hybrid: 2 short-convolution layers, 2 attention layers, one KV cache and o
 - a shorter prefix, or the whole prompt (which would re-evaluate the pool's last token), is refused
   ``recurrent_state`` with the one length the state serves, counted in ``/metrics``, nothing shared;
 - a pool file carries the state: restored, the pool shares at P again;
+- ``--shared-decode`` runs on LFM2's attention layers (answers within layout margins of the server without it);
+  Mamba has no attention for it: it never runs, and the answers are byte-identical;
 - ``--share-any`` (whose sources are slots past the prefix) turns itself off at start.
 """
 
@@ -22,12 +24,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pool_checks import assert_like_reference, outcomes, prime_pool
-from tiny_models import write_lfm2, write_mamba
+from pool_checks import assert_like_reference, outcomes, prime_pool, sharers_at_once
+from tiny_models import LFM2_SHAPE, write_lfm2, write_mamba
 
 from polykv_py.client import Share
 from polykv_py.data import sample_document
 from polykv_py.harness.answers import SHARE_FIELDS, VOLATILE_FIELDS, compare
+from polykv_py.harness.compare import LAYOUT, compare_greedy
 from polykv_py.harness.texts import cut_to_tokens
 from polykv_py.llama_server import LlamaServer
 from polykv_py.native import ServerKind
@@ -162,6 +165,24 @@ def test_a_pool_file_carries_the_state(srv: LlamaServer, ref: LlamaServer, base:
     assert (got["shared_prefix"]["status"], got["shared_prefix"]["shared"]) == ("hit", n_pool), got["shared_prefix"]
     assert got["timings"]["prompt_n"] == len(c.prompt_tokens(prompt)) - n_pool
     assert_like_reference(ref, prompt, got, GEN)
+
+
+def test_shared_decode_takes_the_attention_layers(recurrent_model: Path, logs: Path) -> None:
+    n = 4
+    off, _ = sharers_at_once(recurrent_model, logs, shared_decode=False, n=n, gen=GEN)
+    on, props = sharers_at_once(recurrent_model, logs, shared_decode=True, n=n, gen=GEN)
+    stats = props["polykv_shared_decode"]
+    if "lfm2" in recurrent_model.stem:
+        n_attn = LFM2_SHAPE["n_layer"] // 2  # attention on odd layers
+        assert stats["ops"] % n_attn == 0 and stats["ops"] >= n_attn * GEN["n_predict"], stats
+        assert stats["tiles_shared"] > 0, stats
+        for a, b in zip(off, on, strict=True):
+            assert compare_greedy(a, b, margins=LAYOUT).ok, compare_greedy(a, b, margins=LAYOUT).detail
+    else:  # Mamba: no attention node
+        assert stats["ops"] == 0, stats
+        for i, (a, b) in enumerate(zip(off, on, strict=True)):
+            same, diff = compare(a, b)
+            assert same, f"sharer {i}: {diff}"
 
 
 def test_share_any_is_off(recurrent_model: Path, logs: Path) -> None:

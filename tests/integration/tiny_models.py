@@ -21,8 +21,9 @@ import numpy as np
 MAMBA_SHAPE = {"n_layer": 2, "n_embd": 64, "d_state": 16, "d_conv": 4, "dt_rank": 4}
 
 #: The hybrid model's shape: 4 LFM2 layers, short-convolution (recurrent) on even layers and attention with QK-norm
-#: on odd ones (head_count_kv 0 marks a recurrent layer); head size n_embd / n_head = 16; conv kernel (L cache) 3.
-LFM2_SHAPE = {"n_layer": 4, "n_embd": 64, "n_head": 4, "n_head_kv": 2, "n_ff": 128, "l_cache": 3}
+#: on odd ones (head_count_kv 0 marks a recurrent layer); head size n_embd / n_head = 32 (the shared-decode kernel
+#: takes multiples of 32); conv kernel (L cache) 3.
+LFM2_SHAPE = {"n_layer": 4, "n_embd": 64, "n_head": 2, "n_head_kv": 1, "n_ff": 128, "l_cache": 3}
 
 #: The Qwen3 model's shape: 2 layers, GQA 4 query / 2 KV heads of size 32 (so n_head * head_dim = 128 != n_embd).
 QWEN3_SHAPE = {"n_layer": 2, "n_embd": 64, "n_head": 4, "n_head_kv": 2, "head_dim": 32, "n_ff": 128}

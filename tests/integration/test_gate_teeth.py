@@ -30,11 +30,11 @@ from polykv_py.native import build_info
 pytestmark = pytest.mark.integration
 
 MUTATIONS = Path(__file__).parent / "mutations"
-NATIVE_SERVER = Path(__file__).resolve().parents[2] / "native" / "server"
+NATIVE = Path(__file__).resolve().parents[2] / "native"
 #: Libraries of the patched build (the package's _native/lib) by name.
 PATCHED_LIBS = ("libllama", "libggml", "libmtmd")
 #: Text that only polykv's server code contains (log prefix, flags).
-POLYKV_MARKERS = (b"poly-kv-pool", b"--share-any", b"--no-clear-idle", b"shared_pool_slot")
+POLYKV_MARKERS = (b"polykv: ", b"--share-any", b"--no-clear-idle", b"shared_pool_slot")
 
 
 def linked(binary: Path) -> dict[str, str]:
@@ -55,8 +55,8 @@ def compile_mutation(source: Path, out_dir: Path) -> Path:
         cmd = [shutil.which("cc") or "cc", "-O2"]
     else:
         tree = Path(build_info()["llama_cpp_source"])
-        includes = [NATIVE_SERVER, tree / "tools/server", tree / "common", tree / "include", tree / "ggml/include",
-                    tree / "vendor", tree / "tools/mtmd"]  # fmt: skip
+        includes = [NATIVE / "server", NATIVE / "llama", tree / "tools/server", tree / "common", tree / "include",
+                    tree / "ggml/include", tree / "vendor", tree / "tools/mtmd"]  # fmt: skip
         cmd = [shutil.which("c++") or "c++", "-std=c++17", "-O1", *(f"-I{d}" for d in includes)]
     subprocess.run([*cmd, "-shared", "-fPIC", "-o", str(out), str(source), "-ldl"], check=True)
     return out

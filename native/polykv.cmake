@@ -1,6 +1,7 @@
 # polykv's own C++ (this folder) added to upstream's targets: the patches in patches/ only call it.
 #
 #   llama/     what the public memory API lacks (SWA cells of a share) -> llama (libllama)
+#   common/    polykv's command-line options                         -> llama-common (libllama-common)
 #   server/    the shared KV prefix, reserved pools, pool files      -> server-context (libllama-server-impl)
 #   ggml-cpu/  shared-prefix decode attention for the CPU backend     -> ggml-cpu
 #   check/     polykv-fattn-check, the ggml-level kernel check         (CMakeLists.txt, section 4b)
@@ -30,6 +31,13 @@ polykv_require_target(llama)
 target_sources(llama PRIVATE
     "${POLYKV_NATIVE_DIR}/llama/polykv-memory.cpp"
     "${POLYKV_NATIVE_DIR}/llama/polykv-memory.h")
+
+# ------------------------------------------------------------------ common
+polykv_require_target(llama-common)
+target_sources(llama-common PRIVATE
+    "${POLYKV_NATIVE_DIR}/common/polykv-args.cpp"
+    "${POLYKV_NATIVE_DIR}/common/polykv-args.h")
+target_include_directories(llama-common PRIVATE "${POLYKV_NATIVE_DIR}/common")
 
 # ------------------------------------------------------------------ server
 polykv_require_target(server-context)

@@ -404,7 +404,7 @@ std::vector<uint8_t> load_or_create_key(const std::string & dir, std::string & e
             error = "cannot create the pool key " + path + ": " + strerror(link_errno);
             return {};
         }
-        SRV_INF("poly-kv-pool: created the pool key %s\n", path.c_str());
+        SRV_INF("polykv: created the pool key %s\n", path.c_str());
         return key;
     }
     error = "cannot create the pool key " + path;
@@ -551,7 +551,7 @@ void polykv_pool_files::init(const common_params & params, const llama_model * m
             key_ = load_or_create_key(params.slot_save_path, dir_error_);
         }
         if (!dir_error_.empty()) {
-            SRV_WRN("poly-kv-pool: pool files are refused: %s\n", dir_error_.c_str());
+            SRV_WRN("polykv: pool files are refused: %s\n", dir_error_.c_str());
         }
     }
 
@@ -560,9 +560,9 @@ void polykv_pool_files::init(const common_params & params, const llama_model * m
         const int64_t     t0  = ggml_time_us();
         const std::string sha = sha256_file(path);
         if (sha.empty()) {
-            SRV_WRN("poly-kv-pool: cannot read %s to fingerprint the model: pool files will be refused\n", path.c_str());
+            SRV_WRN("polykv: cannot read %s to fingerprint the model: pool files will be refused\n", path.c_str());
         } else {
-            SRV_INF("poly-kv-pool: model sha256 %s (%.0f ms)\n", sha.c_str(), (ggml_time_us() - t0) / 1000.0);
+            SRV_INF("polykv: model sha256 %s (%.0f ms)\n", sha.c_str(), (ggml_time_us() - t0) / 1000.0);
         }
         return sha;
     }).share();

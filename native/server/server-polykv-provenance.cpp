@@ -22,7 +22,7 @@ void polykv_prov_start(polykv_provenance & prov, bool isolate, bool task_reuses_
         const bool lora_same = prov.lora_known && are_lora_equal(prov.lora, lora);
         if (!salt_same || !lora_same) {
             if (isolate) {
-                LOG_INF("slot %12.*s: id %2d | task -1 | poly-kv-pool: cached cells were computed under another %s - recomputing the prompt (n_past %d -> 0)\n",
+                LOG_INF("slot %12.*s: id %2d | task -1 | polykv: cached cells were computed under another %s - recomputing the prompt (n_past %d -> 0)\n",
                         12, "polykv_prov", id_slot, !salt_same ? "cache_salt" : "LoRA set", n_past);
                 n_past = 0;
             } else {
@@ -37,7 +37,7 @@ void polykv_prov_start(polykv_provenance & prov, bool isolate, bool task_reuses_
         } else if (isolate && !task_reuses_chunks && n_past > prov.n_exact) {
             // cells moved by an earlier request's chunk reuse or context shift: a task that asked for nothing
             // approximate recomputes them
-            LOG_INF("slot %12.*s: id %2d | task -1 | poly-kv-pool: cached cells from %d on were shifted - recomputing them (n_past %d -> %d)\n",
+            LOG_INF("slot %12.*s: id %2d | task -1 | polykv: cached cells from %d on were shifted - recomputing them (n_past %d -> %d)\n",
                     12, "polykv_prov", id_slot, prov.n_exact, n_past, prov.n_exact);
             n_past = prov.n_exact;
         }

@@ -10,7 +10,7 @@
 #include <stdexcept>
 
 // The log lines keep the prefix they had when this code was server_context's polykv_share_prefix()
-// member: "slot polykv_share: id <slot> | task <task> | poly-kv-pool: ..." (see SLT_INF).
+// member: "slot polykv_share: id <slot> | task <task> | polykv: ..." (see SLT_INF).
 #define POLYKV_LOG(LEVEL, in, fmt, ...) \
     LEVEL("slot %12.*s: id %2d | task %d | " fmt, 12, "polykv_share_prefix", (in).id_slot, (in).id_task, __VA_ARGS__)
 
@@ -59,13 +59,13 @@ polykv_share_decision polykv_share_decide(const polykv_share_input & in, int n_p
     int n_req = std::min<int>(out.requested, (int) in.tokens->size());
 
     if (!in.auto_n && n_req <= 0) {
-        POLYKV_LOG(LOG_INF, in, "poly-kv-pool: no prefix requested from slot %d (shared_prefix_n_tokens = %d)\n", id_pool, out.requested);
+        POLYKV_LOG(LOG_INF, in, "polykv: no prefix requested from slot %d (shared_prefix_n_tokens = %d)\n", id_pool, out.requested);
         out.status = "no_prefix";
         return d;
     }
 
     if (id_pool == in.id_slot) {
-        POLYKV_LOG(LOG_INF, in, "poly-kv-pool: task runs on the pool slot %d itself, using its own cache (n_past = %d)\n", id_pool, n_past);
+        POLYKV_LOG(LOG_INF, in, "polykv: task runs on the pool slot %d itself, using its own cache (n_past = %d)\n", id_pool, n_past);
         out.status = "self";
         return d;
     }
@@ -73,7 +73,7 @@ polykv_share_decision polykv_share_decide(const polykv_share_input & in, int n_p
     // a pool whose cells another cache_salt computed: refused before anything about its tokens is looked at
     // (no common prefix, no length is reported)
     if (in.pool_tokens != nullptr && in.salt_differs) {
-        POLYKV_LOG(LOG_INF, in, "poly-kv-pool: pool slot %d was computed under another cache_salt - not sharing\n", id_pool);
+        POLYKV_LOG(LOG_INF, in, "polykv: pool slot %d was computed under another cache_salt - not sharing\n", id_pool);
         out.status = "salt_mismatch";
         return d;
     }
@@ -85,7 +85,7 @@ polykv_share_decision polykv_share_decide(const polykv_share_input & in, int n_p
         n_req = std::min<int>(n_common, (int) in.tokens->size() - 1);
         if (n_req <= 0) {
             const bool empty = in.pool_tokens->size() == 0;
-            POLYKV_LOG(LOG_INF, in, "poly-kv-pool: pool slot %d %s - nothing to share\n", id_pool, empty ? "holds no tokens" : "has no common prefix with the prompt");
+            POLYKV_LOG(LOG_INF, in, "polykv: pool slot %d %s - nothing to share\n", id_pool, empty ? "holds no tokens" : "has no common prefix with the prompt");
             out.status = empty ? "not_resident" : "no_prefix";
             return d;
         }
@@ -95,7 +95,7 @@ polykv_share_decision polykv_share_decide(const polykv_share_input & in, int n_p
         const int n_pool_tok = (int) in.pool_tokens->size();
         if (!in.auto_pool && n_common < in.auto_min && n_common < n_pool_tok - 1 && n_common < (int) in.tokens->size() - 1) {
             out.common = (int32_t) n_common;
-            POLYKV_LOG(LOG_INF, in, "poly-kv-pool: pool slot %d has only %d tokens in common with the prompt (< %d) - not sharing\n",
+            POLYKV_LOG(LOG_INF, in, "polykv: pool slot %d has only %d tokens in common with the prompt (< %d) - not sharing\n",
                        id_pool, n_common, in.auto_min);
             out.status = "mismatch";
             return d;
@@ -104,7 +104,7 @@ polykv_share_decision polykv_share_decide(const polykv_share_input & in, int n_p
         if (n_req > in.pool_exact) {
             n_req = in.pool_exact;
             if (n_req <= 0) {
-                POLYKV_LOG(LOG_INF, in, "poly-kv-pool: pool slot %d holds no exact cells (shifted from 0) - not sharing\n", id_pool);
+                POLYKV_LOG(LOG_INF, in, "polykv: pool slot %d holds no exact cells (shifted from 0) - not sharing\n", id_pool);
                 out.exact  = 0;
                 out.status = "inexact";
                 return d;
@@ -113,7 +113,7 @@ polykv_share_decision polykv_share_decide(const polykv_share_input & in, int n_p
     }
 
     if (n_req > 0 && n_past >= n_req) {
-        POLYKV_LOG(LOG_INF, in, "poly-kv-pool: own cache already covers the %d-token prefix (n_past = %d), not sharing\n", n_req, n_past);
+        POLYKV_LOG(LOG_INF, in, "polykv: own cache already covers the %d-token prefix (n_past = %d), not sharing\n", n_req, n_past);
         out.status = "own_cache";
         return d;
     }
@@ -136,7 +136,7 @@ polykv_share_decision polykv_share_decide(const polykv_share_input & in, int n_p
     }
 
     if (reason != nullptr) {
-        POLYKV_LOG(LOG_WRN, in, "poly-kv-pool: cannot share from slot %d: %s - full reprocess\n", id_pool, reason);
+        POLYKV_LOG(LOG_WRN, in, "polykv: cannot share from slot %d: %s - full reprocess\n", id_pool, reason);
         out.status = "unsupported";
         out.reason = reason;
         return d;
@@ -144,7 +144,7 @@ polykv_share_decision polykv_share_decide(const polykv_share_input & in, int n_p
 
     // the pool's cells may change while it processes a task
     if (in.pool_busy) {
-        POLYKV_LOG(LOG_WRN, in, "poly-kv-pool: pool slot %d is busy - skipping share, full reprocess\n", id_pool);
+        POLYKV_LOG(LOG_WRN, in, "polykv: pool slot %d is busy - skipping share, full reprocess\n", id_pool);
         out.status = "pool_busy";
         return d;
     }
@@ -154,7 +154,7 @@ polykv_share_decision polykv_share_decide(const polykv_share_input & in, int n_p
     const int n_pool = (int) in.pool_tokens->size();
     const bool starts_ok = in.n_swa > 0 ? in.pool_pos_min >= 0 : in.pool_pos_min == 0;
     if (n_pool < n_req || !starts_ok || in.pool_pos_max < (llama_pos) (n_req - 1)) {
-        POLYKV_LOG(LOG_WRN, in, "poly-kv-pool: pool slot %d not resident to %d (tokens %d, pos [%d, %d]) - "
+        POLYKV_LOG(LOG_WRN, in, "polykv: pool slot %d not resident to %d (tokens %d, pos [%d, %d]) - "
                    "skipping share, full reprocess (boot with --no-clear-idle)\n",
                    id_pool, n_req - 1, n_pool, (int) in.pool_pos_min, (int) in.pool_pos_max);
         out.status = "not_resident";
@@ -165,7 +165,7 @@ polykv_share_decision polykv_share_decide(const polykv_share_input & in, int n_p
     const size_t n_common = in.pool_tokens->get_common_prefix(*in.tokens);
     if (n_common < (size_t) n_req) {
         out.common = (int32_t) n_common;
-        POLYKV_LOG(LOG_WRN, in, "poly-kv-pool: pool slot %d holds different tokens: common prefix %zu < %d requested - "
+        POLYKV_LOG(LOG_WRN, in, "polykv: pool slot %d holds different tokens: common prefix %zu < %d requested - "
                    "skipping share, full reprocess\n", id_pool, n_common, n_req);
         out.status = "mismatch";
         return d;
@@ -174,7 +174,7 @@ polykv_share_decision polykv_share_decide(const polykv_share_input & in, int n_p
     // the pool's cells [0, P) must be exact: computed from those tokens at those positions, none moved by a shift
     if (n_req > in.pool_exact) {
         out.exact = in.pool_exact;
-        POLYKV_LOG(LOG_WRN, in, "poly-kv-pool: pool slot %d's cells from position %d on were shifted (not exact) - "
+        POLYKV_LOG(LOG_WRN, in, "polykv: pool slot %d's cells from position %d on were shifted (not exact) - "
                    "skipping share, full reprocess\n", id_pool, (int) in.pool_exact);
         out.status = "inexact";
         return d;
@@ -185,7 +185,7 @@ polykv_share_decision polykv_share_decide(const polykv_share_input & in, int n_p
     // [TAG_PROMPT_LOGITS])
     if (in.pool_rs_pos != POLYKV_MEMORY_NO_PART && (in.pool_rs_pos != (llama_pos) (n_req - 1) || n_req >= (int) in.tokens->size())) {
         out.state = (int32_t) in.pool_rs_pos + 1;
-        POLYKV_LOG(LOG_WRN, in, "poly-kv-pool: pool slot %d's recurrent state follows position %d, a share of %d tokens of a "
+        POLYKV_LOG(LOG_WRN, in, "polykv: pool slot %d's recurrent state follows position %d, a share of %d tokens of a "
                    "%d-token prompt needs it after %d - skipping share, full reprocess\n", id_pool, (int) in.pool_rs_pos, n_req,
                    (int) in.tokens->size(), n_req - 1);
         out.status = "recurrent_state";
@@ -197,7 +197,7 @@ polykv_share_decision polykv_share_decide(const polykv_share_input & in, int n_p
     const llama_pos p_first = std::min<llama_pos>(n_req, (llama_pos) in.tokens->size() - 1);
     if (in.pool_pos_min > polykv_window_start(in.n_swa, p_first)) {
         out.window = (int32_t) in.pool_pos_min;
-        POLYKV_LOG(LOG_WRN, in, "poly-kv-pool: pool slot %d's sliding-window layers start at position %d, a continuation at %d "
+        POLYKV_LOG(LOG_WRN, in, "polykv: pool slot %d's sliding-window layers start at position %d, a continuation at %d "
                    "needs %d - skipping share, full reprocess\n", id_pool, (int) in.pool_pos_min, (int) p_first,
                    (int) polykv_window_start(in.n_swa, p_first));
         out.status = "swa_window";
@@ -237,7 +237,7 @@ const char * polykv_share_kv(const polykv_share_input & in, int32_t n, const com
     const llama_pos own_max = llama_memory_seq_pos_max(llama_mem, in.id_slot);
     const llama_pos own_rs  = polykv_memory_rs_pos(llama_mem, in.id_slot);
     if (own_min < 0 || own_min > need || own_max != (llama_pos) (n - 1) || (own_rs != POLYKV_MEMORY_NO_PART && own_rs != own_max)) {
-        POLYKV_LOG(LOG_ERR, in, "poly-kv-pool: shared sequence has pos [%d, %d] (recurrent state %d), expected [%d, %d] - "
+        POLYKV_LOG(LOG_ERR, in, "polykv: shared sequence has pos [%d, %d] (recurrent state %d), expected [%d, %d] - "
                    "dropping it, full reprocess\n", (int) own_min, (int) own_max, (int) own_rs, (int) need, n - 1);
         mem.seq_rm(in.id_slot, -1, -1);
         return nullptr;
@@ -306,7 +306,7 @@ server_shared_prefix_outcome polykv_share_run(polykv_share_input in, bool kv_uni
             // [TAG_PROMPT_LOGITS] will recompute the last token if the whole prompt was shared
             out.shared = n_past == (int) in.tokens->size() ? n_past - 1 : n_past;
 
-            POLYKV_LOG(LOG_INF, in, "poly-kv-pool: shared %d-token prefix from slot %d (%s, n_past -> %d)\n", n_req, in.pool_slot, status, n_past);
+            POLYKV_LOG(LOG_INF, in, "polykv: shared %d-token prefix from slot %d (%s, n_past -> %d)\n", n_req, in.pool_slot, status, n_past);
             out.status = status;
         }
     }
@@ -586,7 +586,7 @@ bool polykv_copy_prefix(const common_memory & mem, int src, int dst, int32_t n) 
     const llama_pos pos_min = llama_memory_seq_pos_min(llama_mem, dst);
     const llama_pos pos_max = llama_memory_seq_pos_max(llama_mem, dst);
     if (polykv_seq_resident(mem.ctx_tgt, dst) != n) { // n = pos_max + 1, the window and any state there
-        LOG_ERR("slot %12.*s: id %2d | task -1 | poly-kv-pool: prefix copied from slot %d has pos [%d, %d], expected [0, %d] - dropped\n",
+        LOG_ERR("slot %12.*s: id %2d | task -1 | polykv: prefix copied from slot %d has pos [%d, %d], expected [0, %d] - dropped\n",
                 12, "polykv_promote", dst, src, (int) pos_min, (int) pos_max, n - 1);
         mem.seq_rm(dst, -1, -1);
         return false;

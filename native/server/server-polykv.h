@@ -237,7 +237,7 @@ void polykv_shared_prefix_per_choice(json & results);
 // Decides whether the task may take cells [0, P) from the pool, given n_past after the normal cache
 // matching. Exact or refused: only if the pool slot is idle, holds cells [0, P) (with SWA: the window the task's
 // first evaluated token needs, else "swa_window") and its cached tokens [0, P) are the task's first P tokens.
-// Changes nothing; logs a refusal ("poly-kv-pool: ...").
+// Changes nothing; logs a refusal ("polykv: ...").
 polykv_share_decision polykv_share_decide(const polykv_share_input & in, int n_past);
 
 // Puts the pool's cells [0, n) into the slot's sequence (with unified KV by adding the sequence id to

@@ -124,7 +124,7 @@ def test_sigkill_mid_fanout_then_restart_and_reprime(patched_server_bin: Path, m
         msg = str(err)
         assert err.exit_status == -signal.SIGKILL, msg
         assert "server process exited" in msg and f"(exit status {-signal.SIGKILL})" in msg
-        assert "--- server log tail ---" in msg and "poly-kv-pool: shared" in err.log_tail, err.log_tail
+        assert "--- server log tail ---" in msg and "polykv: shared" in err.log_tail, err.log_tail
         assert gone(first_pid)
         # the server came back where the client expects it, and the fan-out re-primed before its agents
         assert srv.port == port and srv.pid != first_pid and srv.health_state() == "ok"

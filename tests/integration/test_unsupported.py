@@ -138,7 +138,7 @@ def test_cache_reuse_skips_shifting_shared_cells(patched_server_bin: Path, model
         assert base_tokens[k + cut] != base_tokens[k] and len(base_tokens) - k - cut >= 64
         out = c.completion(shifted, id_slot=1, **GEN)
         log = srv.log_tail(200)
-        assert f"poly-kv-pool: cached cells below {p} may be shared - ignoring n_cache_reuse = 64" in log
+        assert f"polykv: cached cells below {p} may be shared - ignoring n_cache_reuse = 64" in log
         assert out["timings"]["prompt_n"] == len(shifted) - k, out["timings"]  # no chunk reused after k
 
         after = c.completion(base + other, share=Share(0, p), id_slot=2, **GEN)

@@ -1,9 +1,10 @@
 """The patch series stays thin: a budget of added lines in upstream's files, in all and per hunk.
 
 A patch adds call sites, request fields and build lines; the code they call lives in ``native/``. The
-budget is a ratchet at what the series adds today (measured here, 2026-12-06: 556 non-blank added lines,
-385 of them in ``tools/server/server-context.cpp``, the largest hunk 39 lines): a change that adds more
-fails here, and a change that moves code out lowers the numbers below (issue 40 aims at ~330 and ~15).
+budget is a ratchet at what the series adds today (measured here, 2026-12-06: 481 non-blank added lines,
+383 of them in ``tools/server/server-context.cpp``, 6 in ``common/arg.cpp`` since the options moved to
+``native/common/polykv-args.cpp``, the largest hunk 39 lines): a change that adds more fails here, and a
+change that moves code out lowers the numbers below (issue 40 aims at ~330 and ~15).
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from pathlib import Path
 import patchtool  # scripts/, on sys.path through pytest's pythonpath option (pyproject.toml)
 
 #: Non-blank lines the whole series may add to upstream's files.
-TOTAL_BUDGET = 556
+TOTAL_BUDGET = 481
 #: ... to any one upstream file.
-FILE_BUDGET = {"tools/server/server-context.cpp": 385, "common/arg.cpp": 79}
+FILE_BUDGET = {"tools/server/server-context.cpp": 383, "common/arg.cpp": 6}
 #: ... in any one hunk.
 HUNK_BUDGET = 39
 

@@ -65,10 +65,14 @@ def ref(family_path: Path, logs: Path) -> Iterator[LlamaServer]:
         yield s
 
 
+def small_pool_server(model: Path, logs: Path, name: str) -> LlamaServer:
+    """A pool server with 2 agent slots and reserved pool 0 over ``model``."""
+    return pool_server(model=model, n_agents_parallel=2, ctx=CTX, threads=2, track_kv=False, log_dir=logs,
+                       name=f"{model.stem}-{name}")  # fmt: skip
+
+
 def test_a_pool_shares_its_prompt_and_a_shorter_prefix(family_path: Path, ref: LlamaServer, logs: Path) -> None:
-    srv = pool_server(model=family_path, n_agents_parallel=2, ctx=CTX, threads=2, track_kv=False, log_dir=logs,
-                      name=f"{family_path.stem}-pool")  # fmt: skip
-    with srv:
+    with small_pool_server(family_path, logs, "pool") as srv:
         c = srv.client
         base = cut_to_tokens(sample_document(), 300, c.tokenize, c.detokenize)
         c.prime(base, 0)
@@ -84,9 +88,7 @@ def test_a_pool_shares_its_prompt_and_a_shorter_prefix(family_path: Path, ref: L
 
 
 def test_a_pool_file_restores_and_shares(family_path: Path, ref: LlamaServer, logs: Path) -> None:
-    srv = pool_server(model=family_path, n_agents_parallel=2, ctx=CTX, threads=2, track_kv=False, log_dir=logs,
-                      name=f"{family_path.stem}-files")  # fmt: skip
-    with srv:
+    with small_pool_server(family_path, logs, "files") as srv:
         c = srv.client
         base = cut_to_tokens(sample_document(), 300, c.tokenize, c.detokenize)
         n_pool = prime_pool(c, base)
@@ -109,9 +111,7 @@ def test_gpt_oss_refuses_a_prefix_whose_window_was_reused(
     slot and a batch), which reused the cells of its early positions; a share of its first 400 tokens needs
     positions 273-399 there: refused ``swa_window``, counted, nothing shared."""
     gpt_oss = write_gpt_oss(tmp_path_factory.mktemp("models") / "tiny-gpt-oss.gguf", model_path)
-    srv = pool_server(model=gpt_oss, n_agents_parallel=2, ctx=CTX, threads=2, track_kv=False, log_dir=logs,
-                      name="gpt-oss-window")  # fmt: skip
-    with srv:
+    with small_pool_server(gpt_oss, logs, "window") as srv:
         c = srv.client
         doc = sample_document()
         base = cut_to_tokens(doc, 400, c.tokenize, c.detokenize)

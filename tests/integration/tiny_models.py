@@ -98,6 +98,14 @@ def _random(seed: int) -> Callable[..., np.ndarray]:
     return rand
 
 
+def _add_ffn(w: gguf.GGUFWriter, b: str, rand: Callable[..., np.ndarray], n_embd: int, n_ff: int) -> None:
+    """Block ``b``'s SwiGLU feed-forward and its RMS norm."""
+    w.add_tensor(f"{b}.ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
+    w.add_tensor(f"{b}.ffn_gate.weight", rand(n_ff, n_embd))
+    w.add_tensor(f"{b}.ffn_up.weight", rand(n_ff, n_embd))
+    w.add_tensor(f"{b}.ffn_down.weight", rand(n_embd, n_ff))
+
+
 def write_mamba(path: Path, tokenizer_from: Path, *, seed: int = 0) -> Path:
     """A 2-layer Mamba (recurrent memory: one state per sequence) with random weights; about 6.5 MB."""
     s = MAMBA_SHAPE
@@ -165,10 +173,7 @@ def write_lfm2(path: Path, tokenizer_from: Path, *, seed: int = 0) -> Path:
             w.add_tensor(f"{b}.attn_q_norm.weight", np.ones(head_dim, dtype=np.float32))
             w.add_tensor(f"{b}.attn_k_norm.weight", np.ones(head_dim, dtype=np.float32))
             w.add_tensor(f"{b}.attn_output.weight", rand(n_embd, n_embd))
-        w.add_tensor(f"{b}.ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
-        w.add_tensor(f"{b}.ffn_gate.weight", rand(n_ff, n_embd))
-        w.add_tensor(f"{b}.ffn_up.weight", rand(n_ff, n_embd))
-        w.add_tensor(f"{b}.ffn_down.weight", rand(n_embd, n_ff))
+        _add_ffn(w, b, rand, n_embd, n_ff)
     return _finish(w, path)
 
 
@@ -201,10 +206,7 @@ def write_qwen3(path: Path, tokenizer_from: Path, *, seed: int = 0) -> Path:
         w.add_tensor(f"{b}.attn_q_norm.weight", np.ones(head_dim, dtype=np.float32))
         w.add_tensor(f"{b}.attn_k_norm.weight", np.ones(head_dim, dtype=np.float32))
         w.add_tensor(f"{b}.attn_output.weight", rand(n_embd, n_head * head_dim))
-        w.add_tensor(f"{b}.ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
-        w.add_tensor(f"{b}.ffn_gate.weight", rand(n_ff, n_embd))
-        w.add_tensor(f"{b}.ffn_up.weight", rand(n_ff, n_embd))
-        w.add_tensor(f"{b}.ffn_down.weight", rand(n_embd, n_ff))
+        _add_ffn(w, b, rand, n_embd, n_ff)
     return _finish(w, path)
 
 

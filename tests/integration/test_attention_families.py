@@ -7,7 +7,8 @@ are the cells the sharer would compute; a sink adds one logit per head to every 
 kernel (``native/ggml-cpu/polykv-fattn.cpp``) adds when it merges a row's chunks.
 
 - a pool shares its full prompt and a shorter prefix (``hit``), the task computes only the rest and answers as
-  the pristine reference server does computing the whole prompt;
+  the pristine reference server does computing the whole prompt; a pool file restored shares again;
+- gpt-oss: a pool whose sliding-window layers reused the window of a shorter prefix refuses it (``swa_window``);
 - ``--shared-decode`` runs on both (one op per layer and batch, shared tiles scored once: on gpt-oss in its
   sliding-window layers and with its sinks too) and the sharers' answers stay within the layout margins of the
   server without it (the kernel's sink arithmetic is checked against a double reference in

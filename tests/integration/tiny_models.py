@@ -98,6 +98,13 @@ def _random(seed: int) -> Callable[..., np.ndarray]:
     return rand
 
 
+def _embedding(rand: Callable[..., np.ndarray], n_vocab: int, n_embd: int) -> np.ndarray:
+    """F16 token embeddings (or output projection) of unit scale: the logits of a normalized state spread with a
+    standard deviation of about sqrt(n_embd) = 8, so the top tokens are nats apart and greedy answers are stable
+    under rounding (at 0.02 the distribution was near uniform, a top-5 list held ties only)."""
+    return rand(n_vocab, n_embd, scale=1.0).astype(np.float16)
+
+
 def _add_ffn(w: gguf.GGUFWriter, b: str, rand: Callable[..., np.ndarray], n_embd: int, n_ff: int) -> None:
     """Block ``b``'s SwiGLU feed-forward and its RMS norm."""
     w.add_tensor(f"{b}.ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
@@ -121,7 +128,7 @@ def write_mamba(path: Path, tokenizer_from: Path, *, seed: int = 0) -> Path:
     w.add_layer_norm_rms_eps(1e-5)
 
     # numpy shapes are ggml's {ne0, ne1} reversed
-    w.add_tensor("token_embd.weight", rand(n_vocab, n_embd).astype(np.float16))
+    w.add_tensor("token_embd.weight", _embedding(rand, n_vocab, n_embd))
     w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
     for i in range(s["n_layer"]):
         b = f"blk.{i}"
@@ -156,7 +163,7 @@ def write_lfm2(path: Path, tokenizer_from: Path, *, seed: int = 0) -> Path:
     w.add_layer_norm_rms_eps(1e-5)
 
     # numpy shapes are ggml's {ne0, ne1} reversed; the output is tied to token_embd
-    w.add_tensor("token_embd.weight", rand(n_vocab, n_embd).astype(np.float16))
+    w.add_tensor("token_embd.weight", _embedding(rand, n_vocab, n_embd))
     w.add_tensor("token_embd_norm.weight", np.ones(n_embd, dtype=np.float32))  # LFM2's name for the output norm
     for i in range(n_layer):
         b = f"blk.{i}"
@@ -195,7 +202,7 @@ def write_qwen3(path: Path, tokenizer_from: Path, *, seed: int = 0) -> Path:
     w.add_layer_norm_rms_eps(1e-6)
 
     # numpy shapes are ggml's {ne0, ne1} reversed; the output is tied to token_embd
-    w.add_tensor("token_embd.weight", rand(n_vocab, n_embd).astype(np.float16))
+    w.add_tensor("token_embd.weight", _embedding(rand, n_vocab, n_embd))
     w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
     for i in range(n_layer):
         b = f"blk.{i}"
@@ -233,9 +240,9 @@ def write_gpt_oss(path: Path, tokenizer_from: Path, *, seed: int = 0) -> Path:
     w.add_expert_feed_forward_length(n_ff_exp)  # required
 
     # numpy shapes are ggml's {ne0, ne1, ne2} reversed; gpt-oss requires its own output.weight (no tying)
-    w.add_tensor("token_embd.weight", rand(n_vocab, n_embd).astype(np.float16))
+    w.add_tensor("token_embd.weight", _embedding(rand, n_vocab, n_embd))
     w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
-    w.add_tensor("output.weight", rand(n_vocab, n_embd).astype(np.float16))
+    w.add_tensor("output.weight", _embedding(rand, n_vocab, n_embd))
     for i in range(n_layer):
         b = f"blk.{i}"
         w.add_tensor(f"{b}.attn_norm.weight", np.ones(n_embd, dtype=np.float32))

@@ -113,6 +113,18 @@ def _add_ffn(w: gguf.GGUFWriter, b: str, rand: Callable[..., np.ndarray], n_embd
     w.add_tensor(f"{b}.ffn_down.weight", rand(n_embd, n_ff))
 
 
+def _add_qk_norm_attention(
+    w: gguf.GGUFWriter, b: str, rand: Callable[..., np.ndarray], n_embd: int, n_head: int, n_head_kv: int, head_dim: int
+) -> None:
+    """Block ``b``'s GQA attention with an RMS norm on Q and K per head (Qwen3, LFM2's attention layers)."""
+    w.add_tensor(f"{b}.attn_q.weight", rand(n_head * head_dim, n_embd))
+    w.add_tensor(f"{b}.attn_k.weight", rand(n_head_kv * head_dim, n_embd))
+    w.add_tensor(f"{b}.attn_v.weight", rand(n_head_kv * head_dim, n_embd))
+    w.add_tensor(f"{b}.attn_q_norm.weight", np.ones(head_dim, dtype=np.float32))
+    w.add_tensor(f"{b}.attn_k_norm.weight", np.ones(head_dim, dtype=np.float32))
+    w.add_tensor(f"{b}.attn_output.weight", rand(n_embd, n_head * head_dim))
+
+
 def write_mamba(path: Path, tokenizer_from: Path, *, seed: int = 0) -> Path:
     """A 2-layer Mamba (recurrent memory: one state per sequence) with random weights; about 6.5 MB."""
     s = MAMBA_SHAPE
@@ -173,13 +185,7 @@ def write_lfm2(path: Path, tokenizer_from: Path, *, seed: int = 0) -> Path:
             w.add_tensor(f"{b}.shortconv.in_proj.weight", rand(3 * n_embd, n_embd))
             w.add_tensor(f"{b}.shortconv.out_proj.weight", rand(n_embd, n_embd))
         else:
-            n_embd_kv = n_head_kv[i] * head_dim
-            w.add_tensor(f"{b}.attn_q.weight", rand(n_embd, n_embd))
-            w.add_tensor(f"{b}.attn_k.weight", rand(n_embd_kv, n_embd))
-            w.add_tensor(f"{b}.attn_v.weight", rand(n_embd_kv, n_embd))
-            w.add_tensor(f"{b}.attn_q_norm.weight", np.ones(head_dim, dtype=np.float32))
-            w.add_tensor(f"{b}.attn_k_norm.weight", np.ones(head_dim, dtype=np.float32))
-            w.add_tensor(f"{b}.attn_output.weight", rand(n_embd, n_embd))
+            _add_qk_norm_attention(w, b, rand, n_embd, n_head, n_head_kv[i], head_dim)
         _add_ffn(w, b, rand, n_embd, n_ff)
     return _finish(w, path)
 
@@ -207,12 +213,7 @@ def write_qwen3(path: Path, tokenizer_from: Path, *, seed: int = 0) -> Path:
     for i in range(n_layer):
         b = f"blk.{i}"
         w.add_tensor(f"{b}.attn_norm.weight", np.ones(n_embd, dtype=np.float32))
-        w.add_tensor(f"{b}.attn_q.weight", rand(n_head * head_dim, n_embd))
-        w.add_tensor(f"{b}.attn_k.weight", rand(n_head_kv * head_dim, n_embd))
-        w.add_tensor(f"{b}.attn_v.weight", rand(n_head_kv * head_dim, n_embd))
-        w.add_tensor(f"{b}.attn_q_norm.weight", np.ones(head_dim, dtype=np.float32))
-        w.add_tensor(f"{b}.attn_k_norm.weight", np.ones(head_dim, dtype=np.float32))
-        w.add_tensor(f"{b}.attn_output.weight", rand(n_embd, n_head * head_dim))
+        _add_qk_norm_attention(w, b, rand, n_embd, n_head, n_head_kv, head_dim)
         _add_ffn(w, b, rand, n_embd, n_ff)
     return _finish(w, path)
 

@@ -44,6 +44,8 @@ polykv_require_target(server-context)
 target_sources(server-context PRIVATE
     "${POLYKV_NATIVE_DIR}/server/server-polykv.cpp"
     "${POLYKV_NATIVE_DIR}/server/server-polykv.h"
+    "${POLYKV_NATIVE_DIR}/server/server-polykv-slots.cpp"
+    "${POLYKV_NATIVE_DIR}/server/server-polykv-slots.h"
     "${POLYKV_NATIVE_DIR}/server/server-polykv-files.cpp"
     "${POLYKV_NATIVE_DIR}/server/server-polykv-files.h"
     "${POLYKV_NATIVE_DIR}/server/server-polykv-provenance.cpp"

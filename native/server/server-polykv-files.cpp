@@ -939,7 +939,6 @@ polykv_provenance polykv_restored_prov(const json & expect, const std::vector<co
 }
 
 void polykv_pool_snapshot(llama_context * ctx, llama_seq_id seq_id, polykv_pool_stats & stats) {
-    auto * mem = llama_get_memory(ctx);
     stats.n_resident = polykv_seq_resident(ctx, seq_id);
 }
 

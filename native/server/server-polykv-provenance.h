@@ -17,11 +17,11 @@
 //                                                                                            again once cells >= n_past are gone
 //   share from a pool or --share-any source       polykv_share_prefix: polykv_prov_shared     the source's, exact: a share takes
 //                                                                                            at most polykv_prov_shareable()
-//   --share-any promotion into a reserved pool    polykv_promote: polykv_prov_shared          the source's: a salted prefix stays
+//   --share-any promotion into a reserved pool    promote: polykv_prov_shared                 the source's: a salted prefix stays
 //                                                                                            salted in /slots and in saves
 //   n_cmpl > 1 children                           copy_state_to: server_prompt::clone         the parent's
 //   host prompt cache save / load (--cache-ram)   server_prompt_cache::alloc / load           travels with the cached prompt
-//   pool file restore (reserved pool)             polykv_pool_action: polykv_restored_prov    the file's salt (checked), exact:
+//   pool file restore (reserved pool)             polykv_pool_file_action: polykv_restored_prov the file's salt (checked), exact:
 //                                                                                            a save refuses inexact cells
 //   slot file restore (upstream, other slots)     SLOT_RESTORE: polykv_prov_unknown           unknown: never shared, not reused
 //                                                                                            by --share-any's prompt start

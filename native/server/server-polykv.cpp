@@ -9,8 +9,8 @@
 #include <algorithm>
 #include <stdexcept>
 
-// The log lines keep the prefix they had when this code was server_context's polykv_share_prefix()
-// member: "slot polykv_share: id <slot> | task <task> | polykv: ..." (see SLT_INF).
+// The log lines of a share carry the prefix of polykv_share_prefix (server-polykv-slots.cpp), which runs it:
+// "slot polykv_share: id <slot> | task <task> | polykv: ..." (as server-context.cpp's SLT_INF writes them).
 #define POLYKV_LOG(LEVEL, in, fmt, ...) \
     LEVEL("slot %12.*s: id %2d | task %d | " fmt, 12, "polykv_share_prefix", (in).id_slot, (in).id_task, __VA_ARGS__)
 
@@ -82,7 +82,7 @@ polykv_share_decision polykv_share_decide(const polykv_share_input & in, int n_p
     // prompt token to evaluate (the residency check below still applies)
     if (in.auto_n && in.pool_tokens != nullptr) {
         const int n_common = (int) in.pool_tokens->get_common_prefix(*in.tokens);
-        n_req = std::min<int>(n_common, (int) in.tokens->size() - 1);
+        n_req = std::min<int>(n_common, polykv_share_max(*in.tokens));
         if (n_req <= 0) {
             const bool empty = in.pool_tokens->size() == 0;
             POLYKV_LOG(LOG_INF, in, "polykv: pool slot %d %s - nothing to share\n", id_pool, empty ? "holds no tokens" : "has no common prefix with the prompt");
@@ -93,7 +93,7 @@ polykv_share_decision polykv_share_decide(const polykv_share_input & in, int n_p
         // common (BOS, a chat header) are not what the caller meant to share, so say "mismatch" as an explicit P
         // would, and the caller can prime the pool again. (The pool's last cached token may be one it generated.)
         const int n_pool_tok = (int) in.pool_tokens->size();
-        if (!in.auto_pool && n_common < in.auto_min && n_common < n_pool_tok - 1 && n_common < (int) in.tokens->size() - 1) {
+        if (!in.auto_pool && n_common < in.auto_min && n_common < n_pool_tok - 1 && n_common < polykv_share_max(*in.tokens)) {
             out.common = (int32_t) n_common;
             POLYKV_LOG(LOG_INF, in, "polykv: pool slot %d has only %d tokens in common with the prompt (< %d) - not sharing\n",
                        id_pool, n_common, in.auto_min);
@@ -194,7 +194,7 @@ polykv_share_decision polykv_share_decide(const polykv_share_input & in, int n_p
 
     // sliding-window layers: the pool must still hold the window of the first token the task evaluates (P, or
     // P - 1 when P is the whole prompt: [TAG_PROMPT_LOGITS]); a pool forked at its full length always does
-    const llama_pos p_first = std::min<llama_pos>(n_req, (llama_pos) in.tokens->size() - 1);
+    const llama_pos p_first = std::min<llama_pos>(n_req, polykv_share_max(*in.tokens));
     if (in.pool_pos_min > polykv_window_start(in.n_swa, p_first)) {
         out.window = (int32_t) in.pool_pos_min;
         POLYKV_LOG(LOG_WRN, in, "polykv: pool slot %d's sliding-window layers start at position %d, a continuation at %d "
@@ -228,7 +228,7 @@ const char * polykv_share_kv(const polykv_share_input & in, int32_t n, const com
     // with SWA the sliding-window layers keep only the window of the first token the task evaluates: the cells
     // below it are masked for all its tokens, and held by two sequences they would never be reused
     auto * llama_mem = llama_get_memory(mem.ctx_tgt);
-    const llama_pos need = polykv_window_start(in.n_swa, std::min<llama_pos>(n, (llama_pos) in.tokens->size() - 1));
+    const llama_pos need = polykv_window_start(in.n_swa, std::min<llama_pos>(n, polykv_share_max(*in.tokens)));
     polykv_memory_swa_seq_rm(llama_mem, in.id_slot, need);
 
     // the sequence must now hold exactly [0, P) (with SWA: from the window's start on in the sliding-window layers;
@@ -430,67 +430,6 @@ void polykv_write_metrics(const server_metrics & metrics, std::ostream & prometh
     }
 }
 
-// The leading cells of a sequence holding `held` (provenance prov) a task of this salt and LoRA set with these
-// tokens may take: their common prefix, cut at the sequence's exact length; 0 if the provenance does not match.
-static int32_t shareable_prefix(const polykv_provenance * prov, const server_tokens * held, const server_tokens & tokens,
-                                const std::string & salt, const std::vector<common_adapter_lora_info> & lora) {
-    const int32_t n_exact = prov && held ? polykv_prov_shareable(*prov, salt, lora) : 0;
-    return n_exact > 0 ? std::min<int32_t>((int32_t) held->get_common_prefix(tokens), n_exact) : 0;
-}
-
-int polykv_auto_pool(const std::vector<polykv_pool_candidate> & pools, const server_tokens & tokens,
-                     const std::string & salt, const std::vector<common_adapter_lora_info> & lora, int32_t min_tokens) {
-    int best = -1;
-    int best_n = -1;
-    bool best_busy = true;
-    const int n_max = (int) tokens.size() - 1;
-    for (const auto & p : pools) {
-        const int32_t n_held = shareable_prefix(p.prov, p.tokens, tokens, salt, lora);
-        if (n_held <= 0) {
-            continue;
-        }
-        const int n = std::min<int>(n_held, n_max);
-        if (n > best_n || (n == best_n && best_busy && !p.busy)) {
-            best = p.id;
-            best_n = n;
-            best_busy = p.busy;
-        }
-    }
-    return best_n >= std::max<int32_t>(min_tokens, 1) ? best : -1;
-}
-
-int polykv_pick_slot(const std::vector<polykv_slot_view> & slots, const server_tokens & tokens, const std::string & salt,
-                     const std::vector<common_adapter_lora_info> & lora, int32_t min_tokens) {
-    // the key, smallest first: (cached tokens lost, -common prefix, last use); a slot that holds fewer than min_tokens
-    // of the prompt (or cells of another salt / LoRA set) loses all it holds, and those slots rank by last use alone
-    constexpr size_t all_lost = SIZE_MAX;
-
-    int     best      = -1;
-    size_t  best_loss = 0;
-    size_t  best_lcp  = 0;
-    int64_t best_t    = 0;
-    for (const auto & s : slots) {
-        if (s.busy || s.reserved || s.cached == nullptr) {
-            continue;
-        }
-        size_t       lcp  = (size_t) shareable_prefix(s.prov, s.cached, tokens, salt, lora);
-        size_t       loss = s.cached->size() - lcp;
-        if (loss > 0 && lcp < (size_t) std::max<int32_t>(min_tokens, 1)) {
-            lcp  = 0;
-            loss = all_lost;
-        }
-        const bool better = best < 0 || loss < best_loss || (loss == best_loss && lcp > best_lcp) ||
-                            (loss == best_loss && lcp == best_lcp && s.t_last_used < best_t);
-        if (better) {
-            best      = s.id;
-            best_loss = loss;
-            best_lcp  = lcp;
-            best_t    = s.t_last_used;
-        }
-    }
-    return best;
-}
-
 llama_pos polykv_window_start(int32_t n_swa, llama_pos p) {
     return n_swa > 0 ? std::max<llama_pos>(0, p - n_swa + 1) : 0;
 }
@@ -508,90 +447,6 @@ int32_t polykv_seq_resident(llama_context * ctx, llama_seq_id seq) {
         return 0;
     }
     return pos_min <= polykv_window_start(polykv_n_swa(ctx), pos_max + 1) ? (int32_t) pos_max + 1 : 0;
-}
-
-polykv_any_source polykv_share_any_source(const std::vector<polykv_slot_view> & others, const server_tokens & tokens,
-                                          const std::string & salt, const std::vector<common_adapter_lora_info> & lora,
-                                          int32_t min_tokens, llama_context * ctx) {
-    polykv_any_source best;
-    polykv_any_source lost; // the longest prefix whose sliding window is gone
-    const int32_t n_max = (int32_t) tokens.size() - 1;
-    if (n_max < std::max<int32_t>(min_tokens, 1) || tokens.has_mtmd) {
-        return best;
-    }
-    auto *        mem   = llama_get_memory(ctx);
-    const int32_t n_swa = polykv_n_swa(ctx);
-    for (const auto & s : others) {
-        int32_t n = std::min<int32_t>(shareable_prefix(s.prov, s.cached, tokens, salt, lora), n_max);
-        if (n < std::max<int32_t>(min_tokens, 1) || n <= best.n) {
-            continue;
-        }
-        // only cells the sequence holds: a prefilling slot's tokens include those of the batch not decoded yet;
-        // with SWA, only if the window of the task's first token (at n) is still there
-        const llama_pos pos_min = llama_memory_seq_pos_min(mem, s.id);
-        if (pos_min < 0 || (n_swa == 0 && pos_min != 0)) {
-            continue;
-        }
-        n = std::min<int32_t>(n, (int32_t) llama_memory_seq_pos_max(mem, s.id) + 1);
-        if (pos_min > polykv_window_start(n_swa, n)) {
-            if (n >= std::max<int32_t>(min_tokens, 1) && n > lost.n) {
-                lost.id = s.id; // reported as "swa_window" by the share if no source holds its window
-                lost.n  = n;
-            }
-            continue;
-        }
-        if (n >= std::max<int32_t>(min_tokens, 1) && n > best.n) {
-            best.id = s.id;
-            best.n  = n;
-        }
-    }
-    return best.id >= 0 ? best : lost;
-}
-
-int polykv_promote_target(const std::vector<polykv_slot_view> & slots, const server_tokens & tokens, int32_t n,
-                          const polykv_provenance & prov) {
-    int     best       = -1;
-    bool    best_empty = false;
-    int64_t best_t     = 0;
-    for (const auto & s : slots) {
-        if (!s.reserved) {
-            continue;
-        }
-        const bool empty = s.cached == nullptr || s.cached->size() == 0;
-        if (!empty && prov.salt_known && prov.lora_known && shareable_prefix(s.prov, s.cached, tokens, prov.salt, prov.lora) >= n) {
-            return -1; // already held by a pool
-        }
-        if (s.busy || (!empty && !s.promoted)) {
-            continue;
-        }
-        if (best < 0 || (empty && !best_empty) || (empty == best_empty && s.t_pool_use < best_t)) {
-            best       = s.id;
-            best_empty = empty;
-            best_t     = s.t_pool_use;
-        }
-    }
-    return best;
-}
-
-bool polykv_copy_prefix(const common_memory & mem, int src, int dst, int32_t n) {
-    mem.seq_rm(dst, -1, -1);
-    mem.seq_cp(src, dst, 0, n);
-    auto * llama_mem = llama_get_memory(mem.ctx_tgt);
-    // with SWA, as in polykv_share_kv, but the pool keeps POLYKV_SWA_POOL_MARGIN cells more: a later prompt often
-    // parts from the promoted prefix a few tokens before its end (another question's first tokens), and a share of
-    // those m < n tokens needs the window of m. (Held by the source too, they stay while it does; then they are
-    // masked cells of the pool's alone, which the SWA cache reuses when it needs room.)
-    const llama_pos keep = polykv_window_start(polykv_n_swa(mem.ctx_tgt), n) - POLYKV_SWA_POOL_MARGIN;
-    polykv_memory_swa_seq_rm(llama_mem, dst, keep);
-    const llama_pos pos_min = llama_memory_seq_pos_min(llama_mem, dst);
-    const llama_pos pos_max = llama_memory_seq_pos_max(llama_mem, dst);
-    if (polykv_seq_resident(mem.ctx_tgt, dst) != n) { // n = pos_max + 1, the window and any state there
-        LOG_ERR("slot %12.*s: id %2d | task -1 | polykv: prefix copied from slot %d has pos [%d, %d], expected [0, %d] - dropped\n",
-                12, "polykv_promote", dst, src, (int) pos_min, (int) pos_max, n - 1);
-        mem.seq_rm(dst, -1, -1);
-        return false;
-    }
-    return true;
 }
 
 bool polykv_share_any_init(common_params & params_base, const char * unsupported) {
@@ -614,27 +469,6 @@ bool polykv_share_any_init(common_params & params_base, const char * unsupported
             "and LoRA set holds, and waits for a slot that is computing one; idle slots are kept resident\n",
             params_base.pool_auto_min_tokens);
     return true;
-}
-
-bool polykv_share_any_wait(const std::vector<polykv_slot_view> & others, const server_tokens & tokens,
-                           const std::string & salt, const std::vector<common_adapter_lora_info> & lora,
-                           int32_t min_tokens, int32_t n_now) {
-    const int32_t n_max = (int32_t) tokens.size() - 1;
-    if (n_max < std::max<int32_t>(min_tokens, 1) || n_now >= n_max || tokens.has_mtmd) {
-        return false;
-    }
-    for (const auto & s : others) {
-        // a leader of another salt or LoRA set is never waited for (its cells could not be shared anyway, and the
-        // wait would tell this request that another tenant is computing the same prefix)
-        if (!s.prefilling) {
-            continue;
-        }
-        const int32_t n = std::min<int32_t>(shareable_prefix(s.prov, s.task_tokens, tokens, salt, lora), n_max);
-        if (n >= min_tokens && n > n_now) {
-            return true;
-        }
-    }
-    return false;
 }
 
 void polykv_check_schedulable(const task_params & params, int id_slot, const common_params & params_base) {

@@ -6,17 +6,14 @@
 // stay private to server-context.cpp, so what they know is passed in explicitly).
 //
 // Entry points, in the order a request meets them, and their callers in upstream's files (native/README.md
-// has the whole map with the patches):
-//   polykv_shared_decode_init, polykv_share_any_init   server_context::load_model
+// has the whole map with the patches; the hooks on the slots are in server-polykv-slots.h):
 //   polykv_check_pool_slot, polykv_json_salt           server-schema.cpp (request fields)
 //   polykv_check_schedulable                           handle_completions_impl
-//   polykv_pick_slot                                   get_available_slot
-//   polykv_share_any_source, polykv_share_any_wait     pre_decode via the member polykv_prefix_wait
-//   polykv_auto_pool, polykv_share_run                 pre_decode via the member polykv_share_prefix
-//   polykv_promote_target, polykv_copy_prefix          the member polykv_promote (from polykv_share_prefix)
+//   polykv_share_run                                   polykv_share_prefix (server-polykv-slots.cpp)
 //   polykv_share_final, polykv_add_shared_prefix       send_final_response, server-task.cpp
 //   polykv_shared_prefix_per_choice                    handle_completions_impl (n > 1)
 //   polykv_add_props, polykv_write_metrics             get_res_props, server-task.cpp (/metrics)
+//   polykv_shared_decode_init, polykv_share_any_init   polykv_server_init (server-polykv-slots.cpp)
 
 #include "server-common.h" // json, server_tokens, server_metrics
 #include "polykv-memory.h"  // POLYKV_MEMORY_NO_PART
@@ -110,8 +107,12 @@ struct polykv_share_input {
 // The first position a token at position p needs (0 without SWA: n_swa 0).
 llama_pos polykv_window_start(int32_t n_swa, llama_pos p);
 
-// SWA cells below its window a promoted pool keeps, for shares a few tokens shorter than the pool (polykv_copy_prefix)
-constexpr llama_pos POLYKV_SWA_POOL_MARGIN = 64;
+// The n - 1 rule, stated once: a share covers at most the prompt's first n - 1 tokens, because its last token is
+// always evaluated, for its logits (upstream's [TAG_PROMPT_LOGITS] re-evaluates it when the whole prompt is cached).
+// The same bound is the position of the first token a task evaluates after a full-length share.
+inline int32_t polykv_share_max(const server_tokens & prompt) {
+    return (int32_t) prompt.size() - 1;
+}
 
 // The model's sliding window (llama_model_n_swa), 0 without SWA.
 int32_t polykv_n_swa(llama_context * ctx);
@@ -126,86 +127,9 @@ struct polykv_share_decision {
     int32_t n_share = 0;                  // > 0: share the pool's cells [0, n_share); status is set by the share
 };
 
-// --pool-auto: a reserved pool a request may share from automatically
-struct polykv_pool_candidate {
-    int                         id     = -1;
-    const server_tokens *       tokens = nullptr;
-    const polykv_provenance *   prov   = nullptr;
-    bool                        busy   = false;
-};
-
-// The candidate with the longest exact common prefix with the prompt among those computed under the request's salt
-// and LoRA set (ties: an idle pool, then the lowest id), if that prefix (capped at n_prompt - 1) is at least
-// min_tokens; else -1.
-int polykv_auto_pool(const std::vector<polykv_pool_candidate> & pools, const server_tokens & tokens,
-                     const std::string & salt, const std::vector<common_adapter_lora_info> & lora, int32_t min_tokens);
-
-// --share-any (patch 0077): what the scheduler knows about one slot, gathered by server_context (its slots are
-// private to server-context.cpp)
-struct polykv_slot_view {
-    int                         id          = -1;
-    const server_tokens *       cached      = nullptr; // the tokens whose cells the slot holds (prompt.tokens)
-    const server_tokens *       task_tokens = nullptr; // the running task's prompt, nullptr when idle
-    const polykv_provenance *   prov        = nullptr; // what computed the cached cells (0078)
-    bool                        busy        = false;   // running a task
-    bool                        prefilling  = false;   // computing its prompt (PROCESSING_PROMPT or DONE_PROMPT: its last
-                                                       // batch is not decoded yet)
-    bool                        reserved    = false;   // --pool-slots
-    bool                        promoted    = false;   // a reserved pool that holds a prefix --share-any promoted
-    int64_t                     t_last_used = -1;
-    int64_t                     t_pool_use  = 0;       // a reserved pool's last share, restore or prompt (us)
-};
-
-// --share-any: the idle, unreserved slot a new unpinned task should run on, or -1 (upstream's choice then).
-// The task keeps what it takes from the slot (common prefix) and destroys the rest of its cache, which other
-// tasks may still want (an agent's own history): so the slot that loses the fewest cached tokens wins (an empty
-// slot or one the prompt extends loses none), then the longest common prefix, then the least recently used. A slot
-// that holds fewer than min_tokens of the prompt's exact cells, or cells of another salt or LoRA set (never reused,
-// see polykv_prov_start), loses all it holds: such slots come last and rank by last use (upstream's LRU). lora is
-// the set the task will run with (the server's own adapters when the request names none).
-int polykv_pick_slot(const std::vector<polykv_slot_view> & slots, const server_tokens & tokens, const std::string & salt,
-                     const std::vector<common_adapter_lora_info> & lora, int32_t min_tokens);
-
-// --share-any: a computed prefix another slot holds
-struct polykv_any_source {
-    int     id = -1; // the slot, -1: none
-    int32_t n  = 0;  // its cells [0, n) are computed and hold the prompt's first n tokens
-};
-
-// --share-any: among the other slots whose cells were computed under this salt and LoRA set (busy or idle, reserved
-// or not), the one holding the longest computed, exact prefix of the prompt (capped at n_prompt - 1 and at the
-// slot's exact length, checked against the sequence's positions, so cells a prefilling slot has not computed yet are
-// never counted), if >= min_tokens. With SWA only a slot that still holds the window of the prompt's first own
-// token counts; if none does, the longest such prefix is returned, for the share to refuse it ("swa_window").
-polykv_any_source polykv_share_any_source(const std::vector<polykv_slot_view> & others, const server_tokens & tokens,
-                                          const std::string & salt, const std::vector<common_adapter_lora_info> & lora,
-                                          int32_t min_tokens, llama_context * ctx);
-
-// --share-any promotion: the reserved pool a prefix of n tokens just shared from an unreserved slot should be copied
-// into, so that it outlives that slot (never purged, cleared or picked for a task): an idle pool that holds nothing,
-// else the least recently used idle pool holding an earlier promoted prefix (pools a client primed or restored are
-// never taken); -1 if a reserved pool of this provenance already holds the n tokens, or none is free.
-int polykv_promote_target(const std::vector<polykv_slot_view> & slots, const server_tokens & tokens, int32_t n,
-                          const polykv_provenance & prov);
-
-// Replaces sequence dst's cells by src's cells [0, n) (seq_cp: with unified KV no data is copied) and checks dst then
-// holds positions [0, n) (with SWA: from polykv_window_start(n) on); false (logged, dst left empty) otherwise.
-bool polykv_copy_prefix(const common_memory & mem, int src, int dst, int32_t n);
-
 // --share-any at start: false (logged) without unified KV (a share adds a sequence id to computed cells); where no
 // share is ever possible (the reason, as polykv_share_decide() would report it), a warning and the option off.
 bool polykv_share_any_init(common_params & params_base, const char * unsupported);
-
-// --share-any coalescing: should a task whose prompt is about to start wait for another slot that is computing
-// (prefilling) a longer common prefix of its prompt? Yes if that slot's prompt shares at least min_tokens more
-// tokens with this one than the task can get now (own cache n_past, or the best computed source n_now): it then
-// stays in SLOT_STATE_STARTED and shares once those cells are computed. A waiting slot is never a leader (it is not
-// prefilling), so waits cannot form a cycle; if the leader ends early, the next pass shares what it computed. Only
-// leaders of the task's salt and LoRA set count (another tenant's prefill is never waited for), and only their exact
-// cells; the caller ends a wait after --share-any-max-wait ms (0078).
-bool polykv_share_any_wait(const std::vector<polykv_slot_view> & others, const server_tokens & tokens,
-                           const std::string & salt, const std::vector<common_adapter_lora_info> & lora,
-                           int32_t min_tokens, int32_t n_now);
 
 // Request checks made when the tasks are created (HTTP 400 with the message, nothing queued): a request the
 // scheduler could never place (n_cmpl larger than the unreserved slots; an unpinned sharer whose only
@@ -251,7 +175,7 @@ void polykv_share_record(server_metrics & metrics, const server_shared_prefix_ou
 
 // The three above, for one task when its prompt starts: reads the pool's positions, decides, shares,
 // mirrors the token bookkeeping in the slot's prompt, records. On a share n_past becomes P and n_shared
-// (server_slot::polykv_n_shared, cells that must not be shifted) is P with unified KV, else 0;
+// (polykv_slot::n_shared, cells that must not be shifted) is P with unified KV, else 0;
 // *pool_n_shared is raised to P on a hit. On a refusal only the metrics change.
 server_shared_prefix_outcome polykv_share_run(polykv_share_input in, bool kv_unified, const common_memory & mem,
                                               server_prompt & prompt, int32_t & n_shared, int32_t * pool_n_shared,

@@ -1,10 +1,11 @@
 """The patch series stays thin: a budget of added lines in upstream's files, in all and per hunk.
 
 A patch adds call sites, request fields and build lines; the code they call lives in ``native/``. The
-budget is a ratchet at what the series adds today (measured here, 2026-12-06: 481 non-blank added lines,
-383 of them in ``tools/server/server-context.cpp``, 6 in ``common/arg.cpp`` since the options moved to
-``native/common/polykv-args.cpp``, the largest hunk 39 lines): a change that adds more fails here, and a
-change that moves code out lowers the numbers below (issue 40 aims at ~330 and ~15).
+budget is a ratchet at what the series adds today (measured here, 2026-12-06: 225 non-blank added lines,
+127 of them in ``tools/server/server-context.cpp`` since the hooks' bodies moved to
+``native/server/server-polykv-slots.cpp`` behind one ``polykv_slot`` member per slot, 6 in ``common/arg.cpp``,
+the largest hunk 11 lines; issue 40 aimed at ~330 and ~15): a change that adds more fails here, and a change
+that moves code out lowers the numbers below.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from pathlib import Path
 import patchtool  # scripts/, on sys.path through pytest's pythonpath option (pyproject.toml)
 
 #: Non-blank lines the whole series may add to upstream's files.
-TOTAL_BUDGET = 481
+TOTAL_BUDGET = 225
 #: ... to any one upstream file.
-FILE_BUDGET = {"tools/server/server-context.cpp": 383, "common/arg.cpp": 6}
+FILE_BUDGET = {"tools/server/server-context.cpp": 127, "common/arg.cpp": 6}
 #: ... in any one hunk.
-HUNK_BUDGET = 39
+HUNK_BUDGET = 11
 
 
 @dataclass(frozen=True)

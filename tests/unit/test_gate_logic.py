@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
+from polykv_py.harness import gate
 from polykv_py.harness.answers import SHARE_FIELDS, VOLATILE_FIELDS, compare, first_difference, strip_fields
 from polykv_py.harness.gate import (
     Sharer,
@@ -132,3 +137,32 @@ def test_default_output_cases_cover_the_matrix() -> None:
                 assert f"{kind}/{sampling}/{mode}" in names
     assert sum(1 for c in cases if c.group) >= 3
     assert not any("shared_pool_slot" in c.body for c in cases)
+
+
+def test_server_args_reach_every_server(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``--server-args`` (e.g. ``-ngl 99`` for a GPU backend) is split as a shell would and appended to the
+    arguments of every server the gate starts, the patched and the reference alike."""
+    args = gate.build_parser().parse_args(["--server-args", "-ngl 99 --device 'Vulkan0'"])
+    assert args.server_args == "-ngl 99 --device 'Vulkan0'"
+    started: list[tuple[str, list[str]]] = []
+
+    class FakeServer:
+        def __init__(self, binary: Path, model: Path, argv: list[str], **kw: object) -> None:
+            started.append((str(kw["kind"]), argv))
+
+        def start(self) -> FakeServer:
+            return self
+
+        def command(self, port: int) -> list[str]:
+            return ["x", "-m", "m", *started[-1][1]]
+
+        port, log_path = 1, Path("log")
+
+    monkeypatch.setattr(gate, "LlamaServer", FakeServer)
+    monkeypatch.setattr(gate, "resolve_model", lambda m: tmp_path / "m.gguf")
+    cfg = gate.GateConfig(patched_bin=tmp_path / "p", upstream_bin=tmp_path / "u", server_args=("-ngl", "99"))
+    servers = gate._Servers(cfg)
+    for kind in ("patched", "upstream"):
+        servers.start(kind, ["-np", "4"], kind)
+    assert [argv for _, argv in started] == [["-np", "4", "-ngl", "99"]] * 2
+    assert gate.GateConfig().server_args == ()

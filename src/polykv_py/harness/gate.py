@@ -45,6 +45,7 @@ import json
 import logging
 import platform
 import random
+import shlex
 import subprocess
 import sys
 import time
@@ -115,6 +116,8 @@ class GateConfig:
     log_dir: Path | None = None
     start_timeout: float = 180.0
     fresh_info: bool = True  # also measure fresh one-pass answers (informational, two extra prefills per sharer)
+    # appended to every server's arguments, patched and reference alike (e.g. ("-ngl", "99") for a GPU backend)
+    server_args: tuple[str, ...] = ()
 
 
 @dataclass
@@ -380,7 +383,7 @@ class _Servers:
         srv = LlamaServer(
             self.binary(kind),
             self.model,
-            args,
+            [*args, *self.cfg.server_args],
             kind=kind,
             threads=self.cfg.threads,
             log_dir=self.cfg.log_dir,
@@ -1081,6 +1084,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sharers", type=int, default=3)
     p.add_argument("--log-dir", type=Path, help="server logs (default: a temporary directory)")
     p.add_argument(
+        "--server-args",
+        default="",
+        metavar="ARGS",
+        help="arguments added to every server the gate starts, patched and reference alike, split as a shell "
+        "would (e.g. --server-args='-ngl 99' to offload the layers to a GPU backend)",
+    )
+    p.add_argument(
         "--skip-fresh-info",
         action="store_true",
         help="do not measure the informational fresh one-pass answers (saves two prefills per sharer)",
@@ -1106,6 +1116,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         checks=tuple(c for c in args.checks.split(",") if c),
         n_sharers=args.sharers,
         fresh_info=not args.skip_fresh_info,
+        server_args=tuple(shlex.split(args.server_args)),
     )
     try:
         report = run_gate(cfg)

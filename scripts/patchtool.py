@@ -10,6 +10,7 @@ Subcommands (all re-runnable):
            and common: nothing the reference loads comes from the patched tree.
            With $POLYKV_LLAMA_CPP_DIR set, that local tree is used instead of --dest.
   apply    --tree DIR        apply patches/*.patch in lexical order, idempotently.
+  check    --tree DIR        fail unless DIR records exactly this series as applied (no git).
   export   --tree DIR        write one patches/NNNN-name.patch per commit after the
            tag `upstream` of a git working copy (commit message = patch header).
   series-hash                print the sha256 of the patch series.
@@ -306,6 +307,19 @@ def export_series(tree: Path, out: Path, base: str = "upstream") -> list[Path]:
     return written
 
 
+def check_applied(tree: Path) -> None:
+    """Raise unless ``tree`` records exactly this checkout's series as applied (no git needed: a tree patched
+    elsewhere and carried, as ``scripts/device_check.py`` packs one)."""
+    record = tree / APPLIED_RECORD
+    done = json.loads(record.read_text()) if record.is_file() else {}
+    wanted = {p.name: file_sha256(p) for p in patch_files()}
+    if done != wanted:
+        stale = sorted({name for name, _ in set(done.items()) ^ set(wanted.items())})
+        raise PatchToolError(
+            f"{tree} does not hold this checkout's patch series ({APPLIED_RECORD} differs on {', '.join(stale)})"
+        )
+
+
 # --------------------------------------------------------------------------- prepare
 
 
@@ -341,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--tree", type=Path, required=True)
     e.add_argument("--out", type=Path, default=PATCH_DIR)
     e.add_argument("--base", default="upstream")
+    c = sub.add_parser("check")
+    c.add_argument("--tree", type=Path, required=True)
     sub.add_parser("series-hash")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="patchtool: %(message)s", stream=sys.stderr)
@@ -353,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
             apply_series(args.tree.resolve())
         elif args.cmd == "export":
             export_series(args.tree.resolve(), args.out.resolve(), args.base)
+        elif args.cmd == "check":
+            check_applied(args.tree.resolve())
         elif args.cmd == "series-hash":
             print(series_hash())
     except PatchToolError as exc:

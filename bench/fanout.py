@@ -22,6 +22,7 @@ import dataclasses
 import json
 import logging
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -82,6 +83,7 @@ class BenchConfig:
     out_dir: Path = RESULTS
     model: str | None = None
     quick: bool = False
+    server_args: tuple[str, ...] = ()  # every server's, stock and patched alike (e.g. -ngl 99 on a GPU)
 
 
 def _metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -92,7 +94,13 @@ def _metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict[st
 def start_server(system: str, n_slots: int, ctx: int, cfg: BenchConfig) -> LlamaServer:
     """A started server for ``system`` with ``n_slots`` slots and ``ctx`` KV cells, logging its KV cells in use."""
     return start_system_server(
-        SERVER_SYSTEMS[system], n_slots, ctx, model=cfg.model, threads=cfg.threads, name=f"bench-{system}"
+        SERVER_SYSTEMS[system],
+        n_slots,
+        ctx,
+        model=cfg.model,
+        threads=cfg.threads,
+        name=f"bench-{system}",
+        extra=cfg.server_args,
     )
 
 
@@ -491,6 +499,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         help="run only the capacity probe (keeps the grid of fanout.json in --out)",
     )
     ap.add_argument("--model", "-m", help="GGUF path (default: the default model)")
+    ap.add_argument(
+        "--server-args",
+        default="",
+        metavar="ARGS",
+        help="arguments every server gets, stock and patched alike, split as a shell would (e.g. '-ngl 99')",
+    )
     ap.add_argument("--out", default=str(RESULTS), help="output folder (default: bench/results of this checkout)")
     ap.add_argument(
         "--restart",
@@ -512,6 +526,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         out_dir=Path(args.out),
         model=args.model,
         quick=args.quick,
+        server_args=tuple(shlex.split(args.server_args)),
     )
     if args.quick:
         cfg.ns, cfg.ps, cfg.capacity_timeout = [8, 4, 2, 1], [2048], 420.0  # the target cell (N=8) first

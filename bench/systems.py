@@ -29,6 +29,7 @@ kernel (``--no-shared-decode``), to measure what the decode path alone buys.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -116,9 +117,18 @@ def best_stock(walls: dict[str, float | None]) -> tuple[str, float] | None:
 
 
 def start_system_server(
-    system: System, slots: int, cells: int, *, model: str | None, threads: int, name: str, save_path: str | None = None
+    system: System,
+    slots: int,
+    cells: int,
+    *,
+    model: str | None,
+    threads: int,
+    name: str,
+    save_path: str | None = None,
+    extra: Sequence[str] = (),
 ) -> LlamaServer:
     """A started server for ``system`` with ``slots`` slots and ``cells`` KV cells, logging its KV cells in use
-    (``save_path``: its ``--slot-save-path``, else a fresh directory)."""
-    args = [*slots_args(slots, cells), "--slots", *slot_actions_args(save_path), *system.flags]
+    (``save_path``: its ``--slot-save-path``, else a fresh directory; ``extra``: arguments every system gets alike,
+    e.g. ``-ngl 99`` on a GPU)."""
+    args = [*slots_args(slots, cells), "--slots", *slot_actions_args(save_path), *system.flags, *extra]
     return custom_server(system.kind, args, model=model, threads=threads, track_kv=True, name=name).start()

@@ -568,6 +568,17 @@ bool polykv_shared_decode_init(const common_params & params_base) {
         } else {
             SRV_INF("%s", "polykv: --shared-decode on: batches of 2-511 tokens score shared KV tiles once per KV head\n");
         }
+        // a CPU kernel: layers offloaded to a GPU keep their KV and attention there, with the backend's own kernel
+        for (size_t i = 0; i < ggml_backend_dev_count() && params_base.n_gpu_layers != 0; i++) {
+            ggml_backend_dev_t dev = ggml_backend_dev_get(i);
+            const auto type = ggml_backend_dev_type(dev);
+            if (type == GGML_BACKEND_DEVICE_TYPE_GPU || type == GGML_BACKEND_DEVICE_TYPE_IGPU) {
+                SRV_WRN("--shared-decode: a CPU kernel; layers offloaded to %s (-ngl %d) keep their attention on it, "
+                        "computed by its own kernel (their output does not change); only layers kept on the CPU take the path\n",
+                        ggml_backend_dev_name(dev), params_base.n_gpu_layers);
+                break;
+            }
+        }
     }
     return true;
 }

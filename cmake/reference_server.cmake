@@ -4,8 +4,8 @@
 # patched build, so a change the patch series makes to ggml-cpu, common or libllama shows up as a
 # difference in the gate's default_output check instead of changing both servers alike.
 #
-# Built the same way as the patched tree: every GGML_* and LLAMA_* cache option of this project
-# (the CPU probe's instruction sets, backends, LLAMA_BUILD_*), the build type, compilers, flags
+# Built the same way as the patched tree: every GGML_*, LLAMA_* and Vulkan_* cache option of this project
+# (the CPU probe's instruction sets, backends, LLAMA_BUILD_*, the Vulkan headers and glslc), the build type, compilers, flags
 # and generator are forwarded; only BUILD_SHARED_LIBS differs (OFF).  The executable is installed
 # as bin/llama-server-upstream.
 include(ExternalProject)
@@ -25,12 +25,14 @@ foreach(_v CMAKE_C_FLAGS CMAKE_CXX_FLAGS CMAKE_EXE_LINKER_FLAGS CMAKE_C_COMPILER
 endforeach()
 get_cmake_property(_cache_vars CACHE_VARIABLES)
 foreach(_v IN LISTS _cache_vars)
-    if(NOT _v MATCHES "^(GGML|LLAMA)_")
+    # Vulkan_*: the headers, loader and glslc FindVulkan chose (or -DVulkan_INCLUDE_DIR= named), so
+    # that both trees compile ggml-vulkan against the same Vulkan headers
+    if(NOT _v MATCHES "^(GGML|LLAMA|Vulkan)_")
         continue()
     endif()
     get_property(_type CACHE ${_v} PROPERTY TYPE)
-    if(_type STREQUAL "INTERNAL" OR _type STREQUAL "STATIC")
-        continue()
+    if(_type STREQUAL "INTERNAL" OR _type STREQUAL "STATIC" OR "${${_v}}" MATCHES "-NOTFOUND$")
+        continue()   # a tool FindVulkan did not find (glslangValidator) is left for the inner project to look for
     endif()
     string(REPLACE ";" "|" _value "${${_v}}")   # a list value stays one argument (LIST_SEPARATOR below)
     list(APPEND _ref_args "-D${_v}:${_type}=${_value}")

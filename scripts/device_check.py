@@ -289,6 +289,8 @@ def _py_env(pack_dir: Path, built: dict[str, Any]) -> dict[str, str]:
 def fanout_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per (N, P): each system's last-round wall time and the patched server's ratio to the fastest stock
     mode of the same run."""
+    from bench.systems import best_stock
+
     cells: dict[tuple[int, int], dict[str, float]] = {}
     for c in doc["cells"]:
         walls = [r["wall_s"] for r in c.get("rounds", []) if r.get("wall_s") is not None and not r.get("n_errors")]
@@ -296,8 +298,7 @@ def fanout_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
             cells.setdefault((c["n"], c["p"]), {})[c["system"]] = walls[-1]
     rows = []
     for (n, p), walls in sorted(cells.items()):
-        stock = {s: w for s, w in walls.items() if s.startswith("stock")}
-        best = min(stock.items(), key=lambda kv: kv[1]) if stock else None
+        best = best_stock(dict(walls))
         patched = walls.get("patched")
         rows.append(
             {
@@ -474,6 +475,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--work", type=Path, default=RunConfig.work, help="scratch folder (default .device-work/)")
     r.add_argument("--stage", choices=("all", "build", "check"), default="all", help="see RunConfig.stage")
     args = ap.parse_args(argv)
+    # this checkout's polykv_py and bench/ (the device has no polykv installed; pack also reads the default model)
+    sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
     logging.basicConfig(level=logging.INFO, format="device_check: %(message)s")
     if args.cmd == "pack":
         manifest = pack(args.dir.resolve(), args.model)

@@ -7,7 +7,8 @@
 //     Kf [T x DK], Vf [T x DV]   the tile's K and V rows as f32, converted once for all rows
 //     shared tile (most rows see most cells): ST[T x Rp] = mask + Kf * QT (a GEMM), the online
 //       softmax runs along the cells for all rows at once (vector over rows), ACC += P^T * Vf
-//     private tile (each cell seen by few rows): per row, only the cells it sees
+//     private tile (each cell seen by few rows): (row, cell) pairs, each token's rows over only the cells it
+//       sees; on AVX-512 with f16 K/V the rows read the cache's f16 rows directly (no f32 copy of the tile)
 //   the chunk's (M, S, ACC) per row go to a partials buffer; after a barrier each row's chunks
 //   are merged in chunk order (log-sum-exp) and written to dst: the result does not depend on
 //   which thread took which chunk. An attention sink (gpt-oss: a learned logit per query head) joins
@@ -47,6 +48,7 @@ static constexpr int64_t TILE = 64;   // cells per tile
 static constexpr int64_t RPAD = 16;   // rows are padded to a multiple of this (>= any f32 vector)
 static constexpr int64_t ALIGN_F = 16; // scratch buffers start on 64-byte boundaries
 static constexpr int64_t MAX_ROWS = 512; // from 512 query rows (a full default ubatch) upstream's tiled kernel takes over
+static constexpr int64_t MAX_RK2 = 64;   // query heads per KV head the path takes (a private tile keeps a scale per head)
 
 enum kv_kind { KV_F16 = 0, KV_Q8_0 = 1 };
 
@@ -99,6 +101,13 @@ static inline void set_chunking(problem & p, int nth) {
     p.n_chunks = (p.n_kv + p.chunk - 1) / p.chunk;
 }
 
+// (row, cell) pairs of a private tile: each token's rows times the cells it sees; a private tile has fewer than
+// N*TILE/4 (token, cell) pairs, padded for the last batch of PAIR_BATCH
+static constexpr int64_t PAIR_BATCH = 16;
+static inline int64_t max_pairs(const problem & p) {
+    return p.Rg*TILE/4 + PAIR_BATCH;
+}
+
 // floats of scratch one thread needs
 static inline int64_t scratch_floats(const problem & p) {
     const int64_t a = ALIGN_F;
@@ -108,8 +117,8 @@ static inline int64_t scratch_floats(const problem & p) {
          + 2*round_up(TILE*p.Rp, a)      // ST / P^T, MT (the tile's mask laid out as ST)
          + 4*round_up(p.Rp, a)           // mt, ms, sub, rs
          + round_up(p.N*TILE, a)         // MK: mask values per token and cell
-         + 2*round_up(TILE, a)           // sc, list
-         + round_up(p.N, a)              // cnt
+         + 2*round_up(p.N, a)            // cnt, off
+         + 5*round_up(max_pairs(p), a)   // a private tile's pairs: cell, row, mask, score, sub
          + a;                            // alignment of the base
 }
 
@@ -206,6 +215,67 @@ static inline void exp_sub_acc(float * y, const float * x, const float * sub, fl
         y[j]   = expf(x[j] - sub[j]);
         rs[j] += y[j];
     }
+}
+
+// bytes of one KV head's row of one cell
+static inline size_t kv_row_bytes(int kind, int64_t d) {
+    return kind == KV_F16 ? d*sizeof(ggml_fp16_t) : d/QK8_0*sizeof(block_q8_0);
+}
+
+// cache lines of the rows of cells [c0, c0+n) of hg heads (row bytes each), for reading soon
+static inline void prefetch_rows(const char * base, int64_t c0, int64_t n, size_t nb1, size_t nb2, int64_t hg,
+                                 size_t row) {
+    for (int64_t c = c0; c < c0 + n; ++c) {
+        for (int64_t gl = 0; gl < hg; ++gl) {
+            const char * r = base + c*nb1 + gl*nb2;
+            for (size_t b = 0; b < row; b += 64) {
+                __builtin_prefetch(r + b, 0, 2);
+            }
+        }
+    }
+}
+
+// mk[0..n) = the mask row m as f32; n_seen: values not -inf, n_zero: values 0
+static inline void scan_mask(const char * m, float * mk, int64_t n, int32_t & n_seen, int32_t & n_zero) {
+    const ggml_fp16_t * s = (const ggml_fp16_t *) m;
+    int64_t c = 0;
+#if defined(__AVX512F__)
+    const __m512 ninf = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps();
+    for (; c + 16 <= n; c += 16) {
+        const __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + c)));
+        _mm512_storeu_ps(mk + c, v);
+        n_seen += __builtin_popcount(_mm512_cmp_ps_mask(v, ninf, _CMP_NEQ_UQ));
+        n_zero += __builtin_popcount(_mm512_cmp_ps_mask(v, zero, _CMP_EQ_OQ));
+    }
+#endif
+    for (; c < n; ++c) {
+        mk[c] = GGML_CPU_FP16_TO_FP32(s[c]);
+        n_seen += mk[c] != -INFINITY;
+        n_zero += mk[c] == 0.0f;
+    }
+}
+
+// list[0..) = the cells c < n with mk[c] not -inf, in order; returns how many
+static inline int32_t seen_cells(const float * mk, int64_t n, int32_t * list) {
+    int32_t nl = 0;
+    int64_t c = 0;
+#if defined(__AVX512F__)
+    const __m512  ninf = _mm512_set1_ps(-INFINITY);
+    const __m512i step = _mm512_set1_epi32(16);
+    __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (; c + 16 <= n; c += 16) {
+        const __mmask16 k = _mm512_cmp_ps_mask(_mm512_loadu_ps(mk + c), ninf, _CMP_NEQ_UQ);
+        _mm512_mask_compressstoreu_epi32(list + nl, k, idx);
+        nl += __builtin_popcount(k);
+        idx = _mm512_add_epi32(idx, step);
+    }
+#endif
+    for (; c < n; ++c) {
+        if (mk[c] != -INFINITY) {
+            list[nl++] = (int32_t) c;
+        }
+    }
+    return nl;
 }
 
 // ---------------------------------------------------------------------------- GEMM micro-kernel
@@ -305,8 +375,10 @@ struct head_state {
 struct scratch {
     float * Kf, * Vf, * ST, * MT;
     float * mt, * ms, * sub, * rs;
-    float * MK, * sc;
-    int32_t * list, * cnt;
+    float * MK;
+    int32_t * cnt, * off;
+    int32_t * pc, * pr;   // private tile: pair k's cell and row
+    float * pm, * psc, * psb; // its mask value, score, and the row's new max
     float * heads; // HG x head_floats
 };
 
@@ -320,9 +392,11 @@ static scratch carve(const problem & p, float * base) {
     s.MT  = take(TILE*p.Rp);
     s.mt  = take(p.Rp); s.ms = take(p.Rp); s.sub = take(p.Rp); s.rs = take(p.Rp);
     s.MK  = take(p.N*TILE);
-    s.sc  = take(TILE);
-    s.list = (int32_t *) take(TILE);
     s.cnt  = (int32_t *) take(p.N);
+    s.off  = (int32_t *) take(p.N);
+    const int64_t np = max_pairs(p);
+    s.pc  = (int32_t *) take(np); s.pr = (int32_t *) take(np);
+    s.pm  = take(np); s.psc = take(np); s.psb = take(np);
     s.heads = w;
     return s;
 }
@@ -381,33 +455,328 @@ static void shared_tile(const problem & p, const scratch & s, const head_state &
     gemm(hs.ACC, DV, s.ST, 1, Rp, Vf, DV, Rg, tn, DV);
 }
 
-// rows r0 .. r0+rk2 (one token's query heads of one KV head) over the nl cells in s.list
-static void private_rows(const problem & p, const scratch & s, const head_state & hs, const float * Kf, const float * Vf,
-                         const float * mk, int64_t r0, int32_t nl) {
-    const int64_t DK = p.DK, DV = p.DV;
-    for (int64_t r = r0; r < r0 + p.rk2; ++r) {
-        float mx = -INFINITY;
-        for (int32_t j = 0; j < nl; ++j) {
-            const int32_t c = s.list[j];
-            s.sc[j] = dot_f32(hs.Qr + r*DK, Kf + c*DK, DK) + mk[c];
-            mx = std::max(mx, s.sc[j]);
+// ---------------------------------------------------------------------------- private tiles
+// A private tile's work is a list of (row, cell) pairs, row by row: token i's rk2 rows, each over the cells
+// token i sees (in decode, about 64/N cells of a tile per token). On AVX-512 with f16 K and V, a token's rows
+// are scored 4 cells at a time from the cache's f16 rows (16 accumulators, one transposed reduction) and each
+// V row is added into all of the token's rows at once; elsewhere the f32 tile is scored PAIR_BATCH pairs at a
+// time and V added row by row. The exps are one vector pass over the tile's pairs either way.
+
+#if defined(POLYKV_FA_SIMD) && defined(__AVX512F__)
+// one vector of the 16 accumulators' sums, in order (halves, quarters, then pairs and lanes of each 128 bits)
+static inline __m512 reduce16(const __m512 * acc) {
+    __m512 v1[8], v2[4], v3[2];
+    for (int j = 0; j < 8; ++j) { // lanes 0-7: acc[j], 8-15: acc[j+8]
+        v1[j] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[j], acc[j + 8], 0x44), _mm512_shuffle_f32x4(acc[j], acc[j + 8], 0xEE));
+    }
+    for (int j = 0; j < 4; ++j) { // quarters: acc[j], acc[j+8], acc[j+4], acc[j+12]
+        v2[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v1[j], v1[j + 4], 0x88), _mm512_shuffle_f32x4(v1[j], v1[j + 4], 0xDD));
+    }
+    for (int j = 0; j < 2; ++j) {
+        v3[j] = _mm512_add_ps(_mm512_shuffle_ps(v2[j], v2[j + 2], 0x44), _mm512_shuffle_ps(v2[j], v2[j + 2], 0xEE));
+    }
+    const __m512 v4 = _mm512_add_ps(_mm512_shuffle_ps(v3[0], v3[1], 0x88), _mm512_shuffle_ps(v3[0], v3[1], 0xDD));
+    // v4 holds acc[0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15]: put them in order
+    const __m512i order = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
+    return _mm512_permutexvar_ps(order, v4);
+}
+#endif
+
+// out[j] = dot(Qr row pr[j], Kf row pc[j]) + pm[j] for the PAIR_BATCH pairs from k0 (DK a multiple of 32)
+static inline void score_pairs(const float * Qr, const float * Kf, int64_t DK, const int32_t * pr, const int32_t * pc,
+                               const float * pm, float * out) {
+#if defined(POLYKV_FA_SIMD) && defined(__AVX512F__)
+    __m512 acc[PAIR_BATCH];
+    const float * qa[PAIR_BATCH];
+    const float * ka[PAIR_BATCH];
+    for (int j = 0; j < PAIR_BATCH; ++j) {
+        acc[j] = _mm512_setzero_ps();
+        qa[j]  = Qr + pr[j]*DK;
+        ka[j]  = Kf + pc[j]*DK;
+    }
+    for (int64_t d = 0; d < DK; d += 16) {
+        for (int j = 0; j < PAIR_BATCH; ++j) {
+            acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qa[j] + d), _mm512_loadu_ps(ka[j] + d), acc[j]);
         }
-        const float Mold = hs.M[r];
-        const float Mnew = std::max(Mold, mx);
-        const float ms   = Mold == -INFINITY ? 0.0f : (Mold == Mnew ? 1.0f : expf(Mold - Mnew));
-        float sum = 0.0f;
-        for (int32_t j = 0; j < nl; ++j) {
-            s.sc[j] = expf(s.sc[j] - Mnew);
-            sum += s.sc[j];
+    }
+    _mm512_storeu_ps(out, _mm512_add_ps(reduce16(acc), _mm512_loadu_ps(pm)));
+#else
+    for (int j = 0; j < PAIR_BATCH; ++j) {
+        out[j] = dot_f32(Qr + pr[j]*DK, Kf + pc[j]*DK, DK) + pm[j];
+    }
+#endif
+}
+
+// y[j] = exp(x[j] - sub[j]) for j < n (n a multiple of PAIR_BATCH)
+static inline void exp_sub(float * y, const float * x, const float * sub, int64_t n) {
+    int64_t j = 0;
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+    for (; j + 16 <= n; j += 16) {
+        _mm512_storeu_ps(y + j, ggml_v_expf(_mm512_sub_ps(_mm512_loadu_ps(x + j), _mm512_loadu_ps(sub + j))));
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    for (; j + 8 <= n; j += 8) {
+        _mm256_storeu_ps(y + j, ggml_v_expf(_mm256_sub_ps(_mm256_loadu_ps(x + j), _mm256_loadu_ps(sub + j))));
+    }
+#endif
+    for (; j < n; ++j) {
+        y[j] = expf(x[j] - sub[j]);
+    }
+}
+
+// acc[0..DV) = acc*ms + sum_j w[j] * V row c[j], for the n cells of one row
+static inline void accumulate_row(float * acc, float ms, const float * Vf, int64_t DV, const int32_t * c, const float * w,
+                                  int64_t n) {
+#if defined(POLYKV_FA_SIMD)
+    constexpr int E = GGML_F32_EPR;
+    constexpr int RV = 4; // vectors of the row kept in registers at a time
+    int64_t d = 0;
+    for (; d + RV*E <= DV; d += RV*E) {
+        GGML_F32_VEC a[RV];
+        const GGML_F32_VEC vms = GGML_F32_VEC_SET1(ms);
+        for (int r = 0; r < RV; ++r) {
+            a[r] = GGML_F32_VEC_MUL(GGML_F32_VEC_LOAD(acc + d + r*E), vms);
         }
-        hs.S[r] = hs.S[r]*ms + sum;
-        hs.M[r] = Mnew;
-        float * acc = hs.ACC + r*DV;
+        for (int64_t j = 0; j < n; ++j) {
+            const GGML_F32_VEC wj = GGML_F32_VEC_SET1(w[j]);
+            const float * v = Vf + c[j]*DV + d;
+            for (int r = 0; r < RV; ++r) {
+                a[r] = GGML_F32_VEC_FMA(a[r], GGML_F32_VEC_LOAD(v + r*E), wj);
+            }
+        }
+        for (int r = 0; r < RV; ++r) {
+            GGML_F32_VEC_STORE(acc + d + r*E, a[r]);
+        }
+    }
+    if (d < DV) { // DV is a multiple of 32: the rest, vector by vector over the cells
         if (ms != 1.0f) {
-            scale_f32(acc, ms, DV);
+            scale_f32(acc + d, ms, DV - d);
         }
-        for (int32_t j = 0; j < nl; ++j) {
-            axpy_f32(acc, Vf + s.list[j]*DV, s.sc[j], DV);
+        for (int64_t j = 0; j < n; ++j) {
+            axpy_f32(acc + d, Vf + c[j]*DV + d, w[j], DV - d);
+        }
+    }
+#else
+    if (ms != 1.0f) {
+        scale_f32(acc, ms, DV);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+        axpy_f32(acc, Vf + c[j]*DV, w[j], DV);
+    }
+#endif
+}
+
+#if defined(POLYKV_FA_SIMD) && defined(__AVX512F__)
+#define POLYKV_FA_F16_DIRECT 1
+// f16 K and V straight from the cache (a private tile's cells are read by a few rows each: converting them in
+// registers costs less than writing and reading an f32 copy of the tile)
+
+// scores of HN rows of one token (Q rows DK apart) over its cells c[j0 .. j0+4) (K rows f16 at k + cell*nbk1):
+// out[h*ws + j] = q_h . k_j + m[h*ws + j] for j < cn (cn <= 4; the other lanes are computed and dropped)
+template <int HN>
+static inline void score_cells_f16(const float * Q, int64_t DK, const char * k, size_t nbk1, const int32_t * c,
+                                   int64_t cn, const float * m, float * out, int64_t ws) {
+    __m512 acc[16];
+    for (int j = 0; j < 16; ++j) {
+        acc[j] = _mm512_setzero_ps();
+    }
+    const ggml_fp16_t * kr[4];
+    for (int j = 0; j < 4; ++j) {
+        kr[j] = (const ggml_fp16_t *) (k + c[j < cn ? j : 0]*nbk1);
+    }
+    for (int64_t d = 0; d < DK; d += 16) {
+        __m512 kv[4];
+        for (int j = 0; j < 4; ++j) {
+            kv[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (kr[j] + d)));
+        }
+        for (int h = 0; h < HN; ++h) {
+            const __m512 q = _mm512_loadu_ps(Q + h*DK + d);
+            for (int j = 0; j < 4; ++j) {
+                acc[h*4 + j] = _mm512_fmadd_ps(q, kv[j], acc[h*4 + j]);
+            }
+        }
+    }
+    float sums[16];
+    _mm512_storeu_ps(sums, reduce16(acc));
+    for (int h = 0; h < HN; ++h) {
+        for (int64_t j = 0; j < cn; ++j) {
+            out[h*ws + j] = sums[h*4 + j] + m[h*ws + j];
+        }
+    }
+}
+
+// scores of a token's nr rows over its n cells: out[h*n + j] (pairs in private_pairs' order)
+static inline void score_token_f16(const float * Q, int64_t DK, int64_t nr, const char * k, size_t nbk1,
+                                   const int32_t * c, int64_t n, const float * m, float * out) {
+    for (int64_t h0 = 0; h0 < nr; h0 += 4) {
+        const int64_t hn = std::min<int64_t>(4, nr - h0);
+        for (int64_t j0 = 0; j0 < n; j0 += 4) {
+            const int64_t cn = std::min<int64_t>(4, n - j0);
+            const float * q = Q + h0*DK;
+            const float * mm = m + h0*n + j0;
+            float * o = out + h0*n + j0;
+            switch (hn) {
+                case 1:  score_cells_f16<1>(q, DK, k, nbk1, c + j0, cn, mm, o, n); break;
+                case 2:  score_cells_f16<2>(q, DK, k, nbk1, c + j0, cn, mm, o, n); break;
+                case 3:  score_cells_f16<3>(q, DK, k, nbk1, c + j0, cn, mm, o, n); break;
+                default: score_cells_f16<4>(q, DK, k, nbk1, c + j0, cn, mm, o, n); break;
+            }
+        }
+    }
+}
+
+// rows acc[h*DV + d ..] (h < HN) = acc*ms[h] + sum_j w[h*ws + j] * V row c[j], dims [d, d + 16*NV), V rows f16 at
+// v + cell*nbv1: the rows of one token read the same cells, so each V row is converted once for all of them
+template <int HN, int NV>
+static inline void accumulate_rows_f16(float * acc, int64_t DV, const float * ms, const char * v, size_t nbv1,
+                                       const int32_t * c, const float * w, int64_t ws, int64_t n, int64_t d) {
+    __m512 a[HN][NV];
+    for (int h = 0; h < HN; ++h) {
+        const __m512 m = _mm512_set1_ps(ms[h]);
+        for (int r = 0; r < NV; ++r) {
+            a[h][r] = _mm512_mul_ps(_mm512_loadu_ps(acc + h*DV + d + 16*r), m);
+        }
+    }
+    for (int64_t j = 0; j < n; ++j) {
+        const ggml_fp16_t * row = (const ggml_fp16_t *) (v + c[j]*nbv1) + d;
+        __m512 x[NV];
+        for (int r = 0; r < NV; ++r) {
+            x[r] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (row + 16*r)));
+        }
+        for (int h = 0; h < HN; ++h) {
+            const __m512 wj = _mm512_set1_ps(w[h*ws + j]);
+            for (int r = 0; r < NV; ++r) {
+                a[h][r] = _mm512_fmadd_ps(x[r], wj, a[h][r]);
+            }
+        }
+    }
+    for (int h = 0; h < HN; ++h) {
+        for (int r = 0; r < NV; ++r) {
+            _mm512_storeu_ps(acc + h*DV + d + 16*r, a[h][r]);
+        }
+    }
+}
+
+// nr rows of one token from acc (DV apart), weights w[h*ws + j] over the n cells c (DV a multiple of 32)
+static inline void accumulate_token_f16(float * acc, int64_t DV, int64_t nr, const float * ms, const char * v,
+                                        size_t nbv1, const int32_t * c, const float * w, int64_t ws, int64_t n) {
+    for (int64_t h0 = 0; h0 < nr; h0 += 4) {
+        const int64_t hn = std::min<int64_t>(4, nr - h0);
+        float * a = acc + h0*DV;
+        const float * wh = w + h0*ws;
+        for (int64_t d = 0; d < DV; d += 32) {
+            switch (hn) {
+                case 1:  accumulate_rows_f16<1, 2>(a, DV, ms + h0, v, nbv1, c, wh, ws, n, d); break;
+                case 2:  accumulate_rows_f16<2, 2>(a, DV, ms + h0, v, nbv1, c, wh, ws, n, d); break;
+                case 3:  accumulate_rows_f16<3, 2>(a, DV, ms + h0, v, nbv1, c, wh, ws, n, d); break;
+                default: accumulate_rows_f16<4, 2>(a, DV, ms + h0, v, nbv1, c, wh, ws, n, d); break;
+            }
+        }
+    }
+}
+#endif
+
+// lists the pairs of a private tile (the same for every KV head): for each token that sees cells of it, its rk2
+// rows over those cells; s.off[i] is where token i's pairs start (row h of it: off + h*cnt[i]). Returns the count.
+static int64_t private_pairs(const problem & p, const scratch & s, int64_t tn) {
+    int64_t np = 0;
+    for (int64_t i = 0; i < p.N; ++i) {
+        s.off[i] = (int32_t) np;
+        if (s.cnt[i] == 0) {
+            continue;
+        }
+        const float * mk = s.MK + i*TILE;
+        int32_t * pc0 = s.pc + np;
+        const int32_t nl = seen_cells(mk, tn, pc0);
+        s.cnt[i] = nl; // as scan_mask counted (the same test); private_tile reads it
+        for (int64_t h = 0; h < p.rk2; ++h) {
+            const int32_t r = (int32_t) (i*p.rk2 + h);
+            for (int32_t j = 0; j < nl; ++j) {
+                s.pc[np + j] = pc0[j];
+                s.pr[np + j] = r;
+                s.pm[np + j] = mk[pc0[j]];
+            }
+            np += nl;
+        }
+    }
+    // the last batch's padding: a valid pair whose score is never read
+    for (int64_t k = np; k < round_up(np, PAIR_BATCH); ++k) {
+        s.pc[k] = 0; s.pr[k] = 0; s.pm[k] = 0.0f;
+    }
+    return np;
+}
+
+// where a private tile's K and V rows of one KV head are: f32 rows of the converted tile, or (kraw, vraw not null)
+// the cache's f16 rows of the tile's first cell, a cell's row nbk1 / nbv1 bytes further
+struct tile_rows {
+    const float * Kf, * Vf;
+    const char * kraw, * vraw;
+    size_t nbk1, nbv1;
+};
+
+// one KV head over a private tile's np pairs (private_pairs)
+static void private_tile(const problem & p, const scratch & s, const head_state & hs, const tile_rows & t, int64_t np) {
+    const int64_t DV = p.DV;
+    const int64_t npad = round_up(np, PAIR_BATCH);
+#if defined(POLYKV_FA_F16_DIRECT)
+    if (t.kraw) {
+        for (int64_t i = 0; i < p.N; ++i) {
+            const int64_t k0 = s.off[i];
+            score_token_f16(hs.Qr + i*p.rk2*p.DK, p.DK, p.rk2, t.kraw, t.nbk1, s.pc + k0, s.cnt[i], s.pm + k0, s.psc + k0);
+        }
+    } else
+#endif
+    for (int64_t k = 0; k < npad; k += PAIR_BATCH) {
+        score_pairs(hs.Qr, t.Kf, p.DK, s.pr + k, s.pc + k, s.pm + k, s.psc + k);
+    }
+    // each row's new max over its cells, set for each of its pairs
+    for (int64_t i = 0; i < p.N; ++i) {
+        const int32_t n = s.cnt[i];
+        for (int64_t h = 0; h < p.rk2 && n > 0; ++h) {
+            const int64_t k0 = s.off[i] + h*n;
+            const int64_t r  = i*p.rk2 + h;
+            float mx = hs.M[r];
+            for (int64_t j = 0; j < n; ++j) {
+                mx = std::max(mx, s.psc[k0 + j]);
+            }
+            for (int64_t j = 0; j < n; ++j) {
+                s.psb[k0 + j] = mx;
+            }
+        }
+    }
+    for (int64_t k = np; k < npad; ++k) { // the padding's scores (not written by score_token_f16) are never read
+        s.psc[k] = 0.0f;
+        s.psb[k] = 0.0f;
+    }
+    exp_sub(s.psc, s.psc, s.psb, npad);
+    float ms[MAX_RK2];
+    for (int64_t i = 0; i < p.N; ++i) {
+        const int32_t n = s.cnt[i];
+        if (n == 0) {
+            continue;
+        }
+        for (int64_t h = 0; h < p.rk2; ++h) {
+            const int64_t k0   = s.off[i] + h*n;
+            const int64_t r    = i*p.rk2 + h;
+            const float   Mold = hs.M[r];
+            const float   Mnew = s.psb[k0];
+            ms[h] = Mold == -INFINITY ? 0.0f : (Mold == Mnew ? 1.0f : expf(Mold - Mnew));
+            float sum = 0.0f;
+            for (int64_t j = 0; j < n; ++j) {
+                sum += s.psc[k0 + j];
+            }
+            hs.S[r] = hs.S[r]*ms[h] + sum;
+            hs.M[r] = Mnew;
+        }
+        const int64_t k0 = s.off[i];
+#if defined(POLYKV_FA_F16_DIRECT)
+        if (t.vraw) {
+            accumulate_token_f16(hs.ACC + i*p.rk2*DV, DV, p.rk2, ms, t.vraw, t.nbv1, s.pc + k0, s.psc + k0, n, n);
+            continue;
+        }
+#endif
+        for (int64_t h = 0; h < p.rk2; ++h) {
+            accumulate_row(hs.ACC + (i*p.rk2 + h)*DV, ms[h], t.Vf, DV, s.pc + k0 + h*n, s.psc + k0 + h*n, n);
         }
     }
 }
@@ -460,20 +829,21 @@ static void run_item(const problem & p, int64_t item, float * scratch_base, floa
     const char * vbase = p.v + g0*p.nbv2 + ik3*p.nbv3;
     const char * mbase = p.mask + (i3 % p.mask_ne3)*p.nbm3;
 
+    const size_t k_row = kv_row_bytes(p.k_kind, DK), v_row = kv_row_bytes(p.v_kind, DV);
     for (int64_t t0 = c0; t0 < c1; t0 += TILE) {
         const int64_t tn = std::min(TILE, c1 - t0);
+        // the next tile's K and V on their way while this one is computed (in a server they come from memory)
+        if (t0 + TILE < c1) {
+            prefetch_rows(kbase, t0 + TILE, std::min(TILE, c1 - t0 - TILE), p.nbk1, p.nbk2, hg, k_row);
+            prefetch_rows(vbase, t0 + TILE, std::min(TILE, c1 - t0 - TILE), p.nbv1, p.nbv2, hg, v_row);
+        }
 
         // mask values of the tile per token (once for all KV heads), how many cells each token sees, and
         // whether every value is 0 (the usual shared tile: then the scores need no mask)
         int64_t seen = 0, zeros = 0;
         for (int64_t i = 0; i < N; ++i) {
-            float * mk = s.MK + i*TILE;
-            row_to_f32(KV_F16, mbase + i*p.nbm1 + t0*sizeof(ggml_fp16_t), mk, tn);
             int32_t n_seen = 0, n_zero = 0;
-            for (int64_t c = 0; c < tn; ++c) {
-                n_seen += mk[c] != -INFINITY;
-                n_zero += mk[c] == 0.0f;
-            }
+            scan_mask(mbase + i*p.nbm1 + t0*sizeof(ggml_fp16_t), s.MK + i*TILE, tn, n_seen, n_zero);
             s.cnt[i] = n_seen;
             seen  += n_seen;
             zeros += n_zero;
@@ -483,19 +853,22 @@ static void run_item(const problem & p, int64_t item, float * scratch_base, floa
             continue;
         }
 
-        // K and V of every head of the group: a cell's rows of all heads lie together in the cache
-        for (int64_t c = 0; c < tn; ++c) {
-            const char * kc = kbase + (t0 + c)*p.nbk1;
-            const char * vc = vbase + (t0 + c)*p.nbv1;
-            for (int64_t gl = 0; gl < hg; ++gl) {
-                row_to_f32(p.k_kind, kc + gl*p.nbk2, s.Kf + (gl*TILE + c)*DK, DK);
-                row_to_f32(p.v_kind, vc + gl*p.nbv2, s.Vf + (gl*TILE + c)*DV, DV);
+        // K and V of every head of the group as f32: a cell's rows of all heads lie together in the cache
+        auto convert = [&]() {
+            for (int64_t c = 0; c < tn; ++c) {
+                const char * kc = kbase + (t0 + c)*p.nbk1;
+                const char * vc = vbase + (t0 + c)*p.nbv1;
+                for (int64_t gl = 0; gl < hg; ++gl) {
+                    row_to_f32(p.k_kind, kc + gl*p.nbk2, s.Kf + (gl*TILE + c)*DK, DK);
+                    row_to_f32(p.v_kind, vc + gl*p.nbv2, s.Vf + (gl*TILE + c)*DV, DV);
+                }
             }
-        }
+        };
 
         if (4*seen >= N*tn) {
             // shared tile: all rows of each KV head at once
             st.shared += hg;
+            convert();
             const bool unmasked = zeros == N*tn;
             if (!unmasked) {
                 for (int64_t c = 0; c < tn; ++c) {
@@ -515,22 +888,24 @@ static void run_item(const problem & p, int64_t item, float * scratch_base, floa
                 shared_tile(p, s, head_of(p, s, gl), s.Kf + gl*TILE*DK, s.Vf + gl*TILE*DV, tn, unmasked);
             }
         } else {
-            // private tile: each token's rows over the cells that token sees
+            // private tile: each token's rows over the cells that token sees, as (row, cell) pairs
             st.priv += hg;
-            for (int64_t i = 0; i < N; ++i) {
-                if (s.cnt[i] == 0) {
-                    continue;
+            const int64_t np = private_pairs(p, s, tn);
+#if defined(POLYKV_FA_F16_DIRECT)
+            const bool raw = p.k_kind == KV_F16 && p.v_kind == KV_F16;
+#else
+            const bool raw = false;
+#endif
+            if (!raw) {
+                convert();
+            }
+            for (int64_t gl = 0; gl < hg; ++gl) {
+                tile_rows t = { s.Kf + gl*TILE*DK, s.Vf + gl*TILE*DV, nullptr, nullptr, p.nbk1, p.nbv1 };
+                if (raw) {
+                    t.kraw = kbase + t0*p.nbk1 + gl*p.nbk2;
+                    t.vraw = vbase + t0*p.nbv1 + gl*p.nbv2;
                 }
-                const float * mk = s.MK + i*TILE;
-                int32_t nl = 0;
-                for (int64_t c = 0; c < tn; ++c) {
-                    if (mk[c] != -INFINITY) {
-                        s.list[nl++] = (int32_t) c;
-                    }
-                }
-                for (int64_t gl = 0; gl < hg; ++gl) {
-                    private_rows(p, s, head_of(p, s, gl), s.Kf + gl*TILE*DK, s.Vf + gl*TILE*DV, mk, i*rk2, nl);
-                }
+                private_tile(p, s, head_of(p, s, gl), t, np);
             }
         }
     }
@@ -637,7 +1012,7 @@ static bool describe(const ggml_tensor * dst, int nth, problem & p) {
         return false;
     }
     if (k->ne[1] != v->ne[1] || k->ne[2] != v->ne[2] || k->ne[3] != v->ne[3] || k->ne[2] == 0 ||
-        q->ne[2] % k->ne[2] != 0 || q->ne[3] % k->ne[3] != 0) {
+        q->ne[2] % k->ne[2] != 0 || q->ne[3] % k->ne[3] != 0 || q->ne[2] / k->ne[2] > MAX_RK2) {
         return false;
     }
     if (mask->ne[0] < k->ne[1] || mask->ne[1] < N || mask->ne[2] != 1 || q->ne[3] % mask->ne[3] != 0) {

@@ -6,7 +6,7 @@
 // head, the N rows times the query heads that share that KV head, loads each K/V tile once for
 // all of them (a small GEMM against the tile), splits the KV range into chunks that threads take
 // one at a time (partials merged with log-sum-exp), and skips tiles where every row is masked.
-// Tiles that only a few rows see (private cells) are scored per row, cell by cell. Prompt batches of
+// Tiles that only a few rows see (private cells) are scored as (row, cell) pairs. Prompt batches of
 // up to 511 rows take it too: several agents' turns over unified KV, where upstream's tiled kernel
 // scores every row against every agent's cells.
 //
@@ -31,7 +31,7 @@ void ggml_backend_cpu_polykv_set_shared_decode(bool on);
 bool ggml_backend_cpu_polykv_get_shared_decode(void);
 
 // counters since start: [0] flash-attention ops computed by this path, [1] tiles scored as a
-// block (shared), [2] tiles scored row by row (private), [3] tiles skipped (every row masked)
+// block (shared), [2] tiles scored as (row, cell) pairs (private), [3] tiles skipped (every row masked)
 void ggml_backend_cpu_polykv_shared_decode_stats(uint64_t out[4]);
 
 // work buffer this op needs if the switch is on and it qualifies for the path (else 0)

@@ -35,6 +35,8 @@ from .common import round_up
 from .fanout import engine_params
 from .machine import load_avg, machine
 from .multiturn import QUESTION_TOKENS, base_for, question_block
+from .roofline import attention_shape, kernel_bench
+from .roofline import rows as roofline_rows
 from .systems import SYSTEMS, UPSTREAM_DECODE, System, start_system_server
 
 log = logging.getLogger(__name__)
@@ -128,7 +130,7 @@ def run_grid(
     ps: Sequence[int],
     ns: Sequence[int],
     *,
-    gen: int = 48,
+    gen: int | Sequence[int] = 48,
     fanout: tuple[int, int, int] | None = (4096, 16, 256),
     engine: tuple[int, int] | None = (4096, 16),
     repeat: int = 3,
@@ -137,15 +139,18 @@ def run_grid(
     out_dir: Path = RESULTS / "decode",
     say: Callable[[str], None] = log.info,
 ) -> dict[str, Any]:
-    """Every (P, N) step cell and the long-answer fan-out, each system on a fresh server, off then on."""
-    cells = [DecodeCell(p, n, gen) for p in ps for n in ns]
+    """Every (P, N, G) step cell and the long-answer fan-out, each system on a fresh server, off then on; the
+    kernel's node rate and the FP32 peak at the start and the end (:mod:`bench.roofline`)."""
+    gens = [gen] if isinstance(gen, int) else list(gen)
+    cells = [DecodeCell(p, n, g) for g in gens for p in ps for n in ns]
     if fanout:
         cells.append(DecodeCell(fanout[0], fanout[1], fanout[2], "fanout"))
     doc: dict[str, Any] = {
         "config": {
             "ps": list(ps),
             "ns": list(ns),
-            "gen": gen,
+            "gen": gens[0],
+            "gens": gens,
             "fanout": fanout,
             "engine": engine,
             "repeat": repeat,
@@ -155,6 +160,7 @@ def run_grid(
         "systems": {name: s.label for name, s in DECODE_SYSTEMS.items()},
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "cells": [],
+        "kernel": [kernel_bench(threads)],
     }
     bases: dict[int, str] = {}
     for cell in cells:
@@ -176,11 +182,13 @@ def run_grid(
             doc["cells"].append(first)
         write(doc, out_dir)
     if engine:
-        cell = DecodeCell(engine[0], engine[1], gen, "engine")
+        cell = DecodeCell(engine[0], engine[1], gens[0], "engine")
         if cell.p not in bases:
             bases[cell.p] = base_for(cell.p, model)
-        say(f"decode: in-process engine P={cell.p} N={cell.n} G={gen}, off then on ...")
+        say(f"decode: in-process engine P={cell.p} N={cell.n} G={cell.gen}, off then on ...")
         doc["cells"] += engine_cell(cell, bases[cell.p], threads=threads, model=model)
+    doc["kernel"].append(kernel_bench(threads))
+    doc["roofline"] = roofline_rows(doc, attention_shape(model))
     doc["machine"]["load_avg_end"] = load_avg()
     doc["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     write(doc, out_dir)
@@ -204,6 +212,79 @@ def same_answers(off: dict[str, Any], on: dict[str, Any]) -> int:
     return sum(1 for a, b in zip(off["texts"], on["texts"], strict=True) if a == b)
 
 
+#: The step table's columns.
+STEP_COLUMNS = [
+    "P",
+    "N",
+    "G",
+    "off ms/step",
+    "on ms/step",
+    "on/off",
+    "speedup",
+    "on vs first G",
+    "same answers",
+    "differences",
+]
+
+
+def first_differences(off: dict[str, Any], on: dict[str, Any]) -> str:
+    """Where the differing answers first differ, as character offsets (the texts are what the server returned)."""
+    at = []
+    for a, b in zip(off["texts"], on["texts"], strict=True):
+        if a != b:
+            at.append(next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))))
+    return ", ".join(f"char {i}" for i in at) or "none"
+
+
+def roofline_markdown(doc: dict[str, Any]) -> list[str]:
+    """The prefix attention's rate in the server and at the ggml level, against the FP32 peak of the same run."""
+    from polykv_py.harness.report import table
+
+    if not doc.get("roofline") and not doc.get("kernel"):
+        return []
+    lines = ["## The prefix attention against the FP32 peak", ""]
+    kernel = doc.get("kernel", [])
+    if kernel:
+        lines += [
+            "`polykv-fattn-check --bench` at the start and the end of this run (one node: N = 16 over 4,096 shared "
+            "cells, the default model's heads, f16 KV, the benchmark's threads): "
+            + "; ".join(
+                f"node {k['ms_on']} ms on = {k['gflops_on']} GFLOP/s ({k['on_of_peak']:.0%} of peak), "
+                f"upstream's kernel {k['ms_off']} ms, FP32 FMA peak {k['fma_peak_gflops']} GFLOP/s"
+                for k in kernel
+            )
+            + ".",
+            "",
+        ]
+    roof = doc.get("roofline") or []
+    if roof:
+        lines += [
+            "In the server: the step at the larger P minus the step at the smaller P (same N and G) is the extra "
+            "cells' attention and whatever else grows with P; GFLOP counts the attention alone (per token, cell and "
+            "query head a dot product and an axpy, every layer). Peak: the lower of the run's two readings.",
+            "",
+            table(
+                ["system", "N", "G", "P", "extra ms/step", "GFLOP", "GFLOP/s", "of FP32 peak"],
+                [
+                    [
+                        r["system"],
+                        r["n"],
+                        r["gen"],
+                        f"{r['p_lo']:,} -> {r['p_hi']:,}",
+                        r["extra_ms"],
+                        r["gflop"],
+                        r["gflops"],
+                        None if r["of_peak"] is None else f"{r['of_peak']:.0%}",
+                    ]
+                    for r in roof
+                ],
+                markdown=True,
+            ),
+            "",
+        ]
+    return lines
+
+
 def markdown(doc: dict[str, Any]) -> str:
     """The step table (off, on, on/off) and the fan-out line."""
     from polykv_py.harness.report import table
@@ -224,26 +305,43 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
     ]
     rows: list[list[Any]] = []
-    for off, on in pairs(doc):
+    first_g: dict[tuple[int, int], float] = {}
+    for off, on in sorted(pairs(doc), key=lambda c: (c[0]["p"], c[0]["n"], c[0]["gen"])):
         if off["kind"] != "step":
             continue
+        base = first_g.setdefault((off["p"], off["n"]), on["step_ms"])
         rows.append(
             [
                 f"{off['p']:,}",
                 off["n"],
+                off["gen"],
                 off["step_ms"],
                 on["step_ms"],
                 f"{on['step_ms'] / off['step_ms']:.0%}",
                 f"{off['step_ms'] / on['step_ms']:.2f}x",
+                f"{on['step_ms'] / base - 1:+.1%}",
                 f"{same_answers(off, on)}/{off['n']}",
+                first_differences(off, on),
             ]
         )
+    gens = doc["config"].get("gens", [doc["config"]["gen"]])
     lines += [
-        f"## Decode step, {doc['config']['gen']} greedy tokens per agent",
+        f"## Decode step, {', '.join(map(str, gens))} greedy tokens per agent (G)",
         "",
-        table(["P", "N", "off ms/step", "on ms/step", "on/off", "speedup", "same answers"], rows, markdown=True),
+        "on vs first G: the step with the path on against the same P and N at the smallest G (long answers add "
+        "private cells). Differences: for each agent whose answer differs, the character of its text where it first "
+        "differs. Off and on run on separate servers whose batches form at different moments, so answers also "
+        "differ where the path is not used (N = 1 in earlier runs); the kernel's exactness is checked against "
+        "double precision by polykv-fattn-check, and greedy answers in one fixed batch by the gate.",
+        "",
+        table(
+            STEP_COLUMNS,
+            rows,
+            markdown=True,
+        ),
         "",
     ]
+    lines += roofline_markdown(doc)
     for off, on in pairs(doc):
         if off["kind"] == "engine":
             lines += [
@@ -299,7 +397,8 @@ def plot(doc: dict[str, Any], path: Path) -> Path | None:
         from matplotlib.lines import Line2D
     except ImportError:
         return None
-    steps = [(off, on) for off, on in pairs(doc) if off["kind"] == "step"]
+    g0 = doc["config"].get("gens", [doc["config"]["gen"]])[0]
+    steps = [(off, on) for off, on in pairs(doc) if off["kind"] == "step" and off["gen"] == g0]
     ps = sorted({off["p"] for off, _ in steps})
     styles = ["-", "--", ":"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
@@ -350,7 +449,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--p", type=int, nargs="+", default=[256, 4096], help="pool tokens (default 256 4096)")
     ap.add_argument("--n", type=int, nargs="+", default=[1, 4, 16], help="agents (default 1 4 16)")
-    ap.add_argument("--gen", type=int, default=48, help="greedy tokens per agent in the step table (default 48)")
+    ap.add_argument(
+        "--gen", type=int, nargs="+", default=[48], help="greedy tokens per agent in the step table (default 48)"
+    )
     ap.add_argument(
         "--fanout",
         type=int,

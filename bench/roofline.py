@@ -1,0 +1,109 @@
+"""The decode step's prefix attention against the machine's FP32 peak, measured in one run.
+
+The path's rate in the server comes from two step cells that differ only in P: the step with the
+larger pool minus the step with the smaller one is the time of the extra cells' attention (and of
+whatever else grows with P). Its arithmetic, as ``polykv-fattn-check --bench`` counts it: per
+(token, cell, query head) a DK-wide dot product and a DV-wide axpy, 2 flops per multiply-add, times
+the model's layers. The peak is ``polykv-fattn-check --bench``'s FP32 FMA peak on as many threads
+(independent FMA chains of the widest vectors the CPU has), taken with the node's own rate at the
+ggml level, at the start and the end of the benchmark.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from polykv_py.models import resolve_model
+from polykv_py.native import NATIVE_DIR
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What the attention's arithmetic depends on: layers, query heads, K and V widths."""
+
+    n_layer: int
+    n_head: int
+    dk: int
+    dv: int
+
+    def gflop(self, cells: int, tokens: int) -> float:
+        """GFLOP of ``tokens`` query tokens over ``cells`` cells in every layer."""
+        return cells * tokens * self.n_head * 2 * (self.dk + self.dv) * self.n_layer / 1e9
+
+
+def attention_shape(model: str | None) -> AttentionShape:
+    """The model's attention shape from its GGUF header (the ``gguf`` package, in the test extra)."""
+    try:
+        import gguf
+    except ImportError as e:
+        raise RuntimeError("the roofline needs the gguf package: pip install 'polykv[test]'") from e
+    reader = gguf.GGUFReader(resolve_model(model))
+    arch_field = reader.fields["general.architecture"]
+    arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
+
+    def value(key: str) -> int | None:
+        field = reader.fields.get(f"{arch}.{key}")
+        return None if field is None else int(field.parts[field.data[0]][0])
+
+    n_head = value("attention.head_count")
+    n_embd = value("embedding_length")
+    n_layer = value("block_count")
+    if n_head is None or n_embd is None or n_layer is None:
+        raise RuntimeError(f"{arch} model without head count, embedding length or block count")
+    dk = value("attention.key_length") or n_embd // n_head
+    dv = value("attention.value_length") or n_embd // n_head
+    return AttentionShape(n_layer, n_head, dk, dv)
+
+
+def kernel_bench(threads: int, n: int = 16, cells: int = 4096) -> dict[str, Any]:
+    """``polykv-fattn-check --bench``: one node of ``cells`` shared cells and ``n`` tokens at the default model's
+    heads, both kernels, and the FP32 FMA peak on ``threads`` threads."""
+    exe = Path(NATIVE_DIR) / "bin" / "polykv-fattn-check"
+    proc = subprocess.run(
+        [str(exe), "--bench", str(n), str(cells), str(threads), "0"], capture_output=True, text=True, check=False
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"{exe} --bench failed ({proc.returncode}): {proc.stderr[-1000:]}")
+    out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out
+
+
+def rows(doc: dict[str, Any], shape: AttentionShape) -> list[dict[str, Any]]:
+    """For each (N, G) with two pools, the extra cells' attention rate in the server with the path on and off,
+    against the FP32 peak the run measured (the lower of its two readings)."""
+    peaks = [k["fma_peak_gflops"] for k in doc.get("kernel", []) if k.get("fma_peak_gflops", 0) > 0]
+    peak = min(peaks) if peaks else None
+    steps: dict[tuple[str, int, int], dict[int, float]] = {}
+    for c in doc["cells"]:
+        if c["kind"] == "step":
+            steps.setdefault((c["system"], c["n"], c["gen"]), {})[c["p"]] = c["step_ms"]
+    out = []
+    for (system, n, gen), by_p in sorted(steps.items()):
+        if len(by_p) < 2:
+            continue
+        p_lo, p_hi = min(by_p), max(by_p)
+        extra_ms = by_p[p_hi] - by_p[p_lo]
+        gflop = shape.gflop(p_hi - p_lo, n)
+        rate = gflop / (extra_ms / 1e3) if extra_ms > 0 else None
+        out.append(
+            {
+                "system": system,
+                "n": n,
+                "gen": gen,
+                "p_lo": p_lo,
+                "p_hi": p_hi,
+                "extra_ms": round(extra_ms, 2),
+                "gflop": round(gflop, 3),
+                "gflops": None if rate is None else round(rate, 1),
+                "peak_gflops": peak,
+                "of_peak": None if rate is None or not peak else round(rate / peak, 3),
+            }
+        )
+    return out

@@ -1,0 +1,70 @@
+"""The decode benchmark's roofline: the attention's arithmetic, the rate from two pools, the report's tables."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from bench import decode
+from bench.roofline import AttentionShape, attention_shape, rows
+
+#: The default model's attention (SmolLM2 135M: 30 layers, 9 query heads of 64).
+DEFAULT_SHAPE = AttentionShape(n_layer=30, n_head=9, dk=64, dv=64)
+
+
+def _cell(system: str, p: int, step_ms: float, *, n: int = 16, gen: int = 128, texts: list[str] | None = None) -> Any:
+    return {"system": system, "kind": "step", "p": p, "n": n, "gen": gen, "step_ms": step_ms, "wall_s": 1.0,
+            "texts": texts or ["same"] * n}  # fmt: skip
+
+
+def _doc(cells: list[dict[str, Any]], peaks: tuple[float, float] = (500.0, 480.0)) -> dict[str, Any]:
+    kernel = [
+        {"ms_on": 0.6, "ms_off": 5.0, "gflops_on": 250.0, "on_of_peak": 0.5, "fma_peak_gflops": pk} for pk in peaks
+    ]
+    return {"config": {"gen": 128, "gens": [128, 512], "repeat": 1, "threads": 2},
+            "machine": {"cpu": "test", "logical_cpus": 2, "load_avg_start": [0.1, 0.1, 0.1]},
+            "cells": cells, "kernel": kernel}  # fmt: skip
+
+
+def test_attention_arithmetic_matches_the_kernel_checks_count() -> None:
+    # 3,840 cells x 16 tokens x 9 heads x 256 flops x 30 layers: the 4.25 GFLOP of docs/benchmarks.md
+    assert DEFAULT_SHAPE.gflop(4096 - 256, 16) == pytest.approx(4.246732800)
+
+
+def test_the_default_models_shape_is_read_from_its_header() -> None:
+    assert attention_shape(None) == DEFAULT_SHAPE
+
+
+def test_rate_from_two_pools_against_the_lower_peak() -> None:
+    doc = _doc([_cell("shared_decode", 256, 48.0), _cell("shared_decode", 4096, 68.0),
+                _cell("patched", 256, 56.0), _cell("patched", 4096, 168.0)])  # fmt: skip
+    out = {r["system"]: r for r in rows(doc, DEFAULT_SHAPE)}
+    on = out["shared_decode"]
+    assert on["extra_ms"] == 20.0 and on["peak_gflops"] == 480.0
+    assert on["gflops"] == pytest.approx(4.2467328 / 0.020, rel=1e-3)
+    assert on["of_peak"] == pytest.approx(4.2467328 / 0.020 / 480.0, abs=1e-3)
+    assert out["patched"]["gflops"] == pytest.approx(4.2467328 / 0.112, rel=1e-3)
+
+
+def test_no_rate_without_two_pools_or_when_the_larger_pool_is_not_slower() -> None:
+    assert rows(_doc([_cell("shared_decode", 4096, 68.0)]), DEFAULT_SHAPE) == []
+    (r,) = rows(_doc([_cell("shared_decode", 256, 50.0), _cell("shared_decode", 4096, 49.0)]), DEFAULT_SHAPE)
+    assert r["gflops"] is None and r["of_peak"] is None
+
+
+def test_report_shows_growth_with_g_differences_and_the_roofline() -> None:
+    off_texts, on_texts = ["abc"] * 16, ["abc"] * 15 + ["abx"]
+    cells = [
+        _cell("patched", 256, 56.0), _cell("shared_decode", 256, 48.0),
+        _cell("patched", 4096, 168.0), _cell("shared_decode", 4096, 68.0),
+        _cell("patched", 4096, 180.0, gen=512, texts=off_texts),
+        _cell("shared_decode", 4096, 70.0, gen=512, texts=on_texts),
+    ]  # fmt: skip
+    doc = _doc(cells)
+    doc["roofline"] = rows(doc, DEFAULT_SHAPE)
+    md = decode.markdown(doc)
+    assert "128, 512 greedy tokens per agent" in md
+    assert "+2.9%" in md  # 70 / 68 - 1: the step's growth from G = 128 to 512 at P = 4,096
+    assert "15/16" in md and "char 2" in md
+    assert "FP32 FMA peak 500.0 GFLOP/s" in md and "256 -> 4,096" in md

@@ -257,14 +257,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--n", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--p", type=int, nargs="+", default=[512, 2048, 4096])
     ap.add_argument("--systems", nargs="+", choices=list(RESTART_SYSTEMS), default=list(RESTART_SYSTEMS))
+    ap.add_argument("--suffix", type=int, default=64, help="tokens of each agent's own suffix (default 64)")
+    ap.add_argument("--gen", type=int, default=32, help="greedy tokens per agent (default 32)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", "-m")
     ap.add_argument("--out", type=Path, default=RESULTS / "restart")
     args = ap.parse_args(argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    cfg = RestartConfig(ns=args.n, ps=args.p, systems=args.systems, threads=args.threads, model=args.model,
-                        out_dir=args.out)  # fmt: skip
+    cfg = RestartConfig(ns=args.n, ps=args.p, suffix=args.suffix, gen=args.gen, systems=args.systems,
+                        threads=args.threads, model=args.model, out_dir=args.out)  # fmt: skip
     run(cfg)
     return 0
 

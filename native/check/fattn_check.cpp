@@ -500,6 +500,8 @@ int main(int argc, char ** argv) {
     // the shape: the default model's heads over a 4k prefix, 16 agents, 2 threads
     cases.push_back({ "prefix", 64, 64, 9, 3, 16, 4096 + 512, 2, GGML_TYPE_F16, seed++ });
     cases.push_back({ "prefix", 64, 64, 9, 3, 2, 300, 2, GGML_TYPE_F16, seed++ });
+    // multi-query (Falcon 7B: 71 query heads on one KV head): a token's rows in groups of 4, the last of 3
+    cases.push_back({ "holes", 64, 64, 71, 1, 16, 700, 2, GGML_TYPE_F16, seed++ });
     // prompt batches of 64-511 rows: 8 agents' turns over a shared prefix and their transcripts, and one
     // sequence's prompt (causal)
     cases.push_back({ "prefix", 64, 64, 9, 3, 144, 1500, 2, GGML_TYPE_F16, seed++, "", 700 });

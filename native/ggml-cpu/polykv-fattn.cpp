@@ -48,7 +48,6 @@ static constexpr int64_t TILE = 64;   // cells per tile
 static constexpr int64_t RPAD = 16;   // rows are padded to a multiple of this (>= any f32 vector)
 static constexpr int64_t ALIGN_F = 16; // scratch buffers start on 64-byte boundaries
 static constexpr int64_t MAX_ROWS = 512; // from 512 query rows (a full default ubatch) upstream's tiled kernel takes over
-static constexpr int64_t MAX_RK2 = 64;   // query heads per KV head the path takes (a private tile keeps a scale per head)
 
 enum kv_kind { KV_F16 = 0, KV_Q8_0 = 1 };
 
@@ -657,20 +656,15 @@ static inline void accumulate_rows_f16(float * acc, int64_t DV, const float * ms
     }
 }
 
-// nr rows of one token from acc (DV apart), weights w[h*ws + j] over the n cells c (DV a multiple of 32)
-static inline void accumulate_token_f16(float * acc, int64_t DV, int64_t nr, const float * ms, const char * v,
+// hn <= 4 rows of one token from acc (DV apart), weights w[h*ws + j] over the n cells c (DV a multiple of 32)
+static inline void accumulate_group_f16(float * acc, int64_t DV, int64_t hn, const float * ms, const char * v,
                                         size_t nbv1, const int32_t * c, const float * w, int64_t ws, int64_t n) {
-    for (int64_t h0 = 0; h0 < nr; h0 += 4) {
-        const int64_t hn = std::min<int64_t>(4, nr - h0);
-        float * a = acc + h0*DV;
-        const float * wh = w + h0*ws;
-        for (int64_t d = 0; d < DV; d += 32) {
-            switch (hn) {
-                case 1:  accumulate_rows_f16<1, 2>(a, DV, ms + h0, v, nbv1, c, wh, ws, n, d); break;
-                case 2:  accumulate_rows_f16<2, 2>(a, DV, ms + h0, v, nbv1, c, wh, ws, n, d); break;
-                case 3:  accumulate_rows_f16<3, 2>(a, DV, ms + h0, v, nbv1, c, wh, ws, n, d); break;
-                default: accumulate_rows_f16<4, 2>(a, DV, ms + h0, v, nbv1, c, wh, ws, n, d); break;
-            }
+    for (int64_t d = 0; d < DV; d += 32) {
+        switch (hn) {
+            case 1:  accumulate_rows_f16<1, 2>(acc, DV, ms, v, nbv1, c, w, ws, n, d); break;
+            case 2:  accumulate_rows_f16<2, 2>(acc, DV, ms, v, nbv1, c, w, ws, n, d); break;
+            case 3:  accumulate_rows_f16<3, 2>(acc, DV, ms, v, nbv1, c, w, ws, n, d); break;
+            default: accumulate_rows_f16<4, 2>(acc, DV, ms, v, nbv1, c, w, ws, n, d); break;
         }
     }
 }
@@ -749,34 +743,40 @@ static void private_tile(const problem & p, const scratch & s, const head_state 
         s.psb[k] = 0.0f;
     }
     exp_sub(s.psc, s.psc, s.psb, npad);
-    float ms[MAX_RK2];
     for (int64_t i = 0; i < p.N; ++i) {
         const int32_t n = s.cnt[i];
         if (n == 0) {
             continue;
         }
-        for (int64_t h = 0; h < p.rk2; ++h) {
-            const int64_t k0   = s.off[i] + h*n;
-            const int64_t r    = i*p.rk2 + h;
-            const float   Mold = hs.M[r];
-            const float   Mnew = s.psb[k0];
-            ms[h] = Mold == -INFINITY ? 0.0f : (Mold == Mnew ? 1.0f : expf(Mold - Mnew));
-            float sum = 0.0f;
-            for (int64_t j = 0; j < n; ++j) {
-                sum += s.psc[k0 + j];
-            }
-            hs.S[r] = hs.S[r]*ms[h] + sum;
-            hs.M[r] = Mnew;
-        }
         const int64_t k0 = s.off[i];
+        // the token's rows in groups of 4 (one V row converted once per group)
+        for (int64_t h0 = 0; h0 < p.rk2; h0 += 4) {
+            const int64_t hn = std::min<int64_t>(4, p.rk2 - h0);
+            float ms[4];
+            for (int64_t h = 0; h < hn; ++h) {
+                const int64_t kh   = k0 + (h0 + h)*n;
+                const int64_t r    = i*p.rk2 + h0 + h;
+                const float   Mold = hs.M[r];
+                const float   Mnew = s.psb[kh];
+                ms[h] = Mold == -INFINITY ? 0.0f : (Mold == Mnew ? 1.0f : expf(Mold - Mnew));
+                float sum = 0.0f;
+                for (int64_t j = 0; j < n; ++j) {
+                    sum += s.psc[kh + j];
+                }
+                hs.S[r] = hs.S[r]*ms[h] + sum;
+                hs.M[r] = Mnew;
+            }
+            float * acc = hs.ACC + (i*p.rk2 + h0)*DV;
 #if defined(POLYKV_FA_F16_DIRECT)
-        if (t.vraw) {
-            accumulate_token_f16(hs.ACC + i*p.rk2*DV, DV, p.rk2, ms, t.vraw, t.nbv1, s.pc + k0, s.psc + k0, n, n);
-            continue;
-        }
+            if (t.vraw) {
+                accumulate_group_f16(acc, DV, hn, ms, t.vraw, t.nbv1, s.pc + k0, s.psc + k0 + h0*n, n, n);
+                continue;
+            }
 #endif
-        for (int64_t h = 0; h < p.rk2; ++h) {
-            accumulate_row(hs.ACC + (i*p.rk2 + h)*DV, ms[h], t.Vf, DV, s.pc + k0 + h*n, s.psc + k0 + h*n, n);
+            for (int64_t h = 0; h < hn; ++h) {
+                const int64_t kh = k0 + (h0 + h)*n;
+                accumulate_row(acc + h*DV, ms[h], t.Vf, DV, s.pc + kh, s.psc + kh, n);
+            }
         }
     }
 }
@@ -1012,7 +1012,7 @@ static bool describe(const ggml_tensor * dst, int nth, problem & p) {
         return false;
     }
     if (k->ne[1] != v->ne[1] || k->ne[2] != v->ne[2] || k->ne[3] != v->ne[3] || k->ne[2] == 0 ||
-        q->ne[2] % k->ne[2] != 0 || q->ne[3] % k->ne[3] != 0 || q->ne[2] / k->ne[2] > MAX_RK2) {
+        q->ne[2] % k->ne[2] != 0 || q->ne[3] % k->ne[3] != 0) {
         return false;
     }
     if (mask->ne[0] < k->ne[1] || mask->ne[1] < N || mask->ne[2] != 1 || q->ne[3] % mask->ne[3] != 0) {

@@ -101,11 +101,12 @@ def test_shared_private_and_masked_tiles_are_all_exercised(cases: list[dict[str,
     by = {layout: [c for c in cases if c["layout"] == layout] for layout in ("prefix", "holes", "random")}
     assert all(c["tiles_skipped"] > 0 for c in by["holes"])  # whole tiles nobody sees are skipped
     assert all(c["tiles_shared"] > 0 for c in cases)
-    # private cells interleaved one per agent: scored row by row from 16 agents on
+    # private cells interleaved one per agent: private tiles (scored as (row, cell) pairs) from 16 agents on
     assert all(c["tiles_private"] > 0 for c in by["prefix"] + by["holes"] if c["N"] >= 16)
     # prompt batches of 64-511 rows (agents' turns over their transcripts, one sequence's causal prompt)
     assert {c["layout"] for c in cases if c["N"] >= UPSTREAM_TILED_ROWS} == {"prefix", "holes", "causal"}
-    assert {c["n_head"] // c["n_head_kv"] for c in cases} == {1, 3, 4, 8}  # 4: the gpt-oss-shaped sink cases
+    # 4: the gpt-oss-shaped sink cases; 71: multi-query, more query heads per KV head than one group of 4 rows
+    assert {c["n_head"] // c["n_head_kv"] for c in cases} == {1, 3, 4, 8, 71}
     assert {c["DK"] for c in cases} == {64, 128}
     assert {c["kv_type"] for c in cases} == {"f16", "q8_0"}
     # sinks in decode and prompt batches, over f16 and q8_0 KV

@@ -261,7 +261,7 @@ def roofline_markdown(doc: dict[str, Any]) -> list[str]:
         lines += [
             "In the server: the step at the larger P minus the step at the smaller P (same N and G) is the extra "
             "cells' attention and whatever else grows with P; GFLOP counts the attention alone (per token, cell and "
-            "query head a dot product and an axpy, every layer). Peak: the lower of the run's two readings.",
+            "query head a dot product and an axpy, every layer). Peak: the higher of the run's two readings.",
             "",
             table(
                 ["system", "N", "G", "P", "extra ms/step", "GFLOP", "GFLOP/s", "of FP32 peak"],

@@ -15,7 +15,6 @@ import json
 import logging
 import subprocess
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from polykv_py.models import resolve_model
@@ -65,7 +64,7 @@ def attention_shape(model: str | None) -> AttentionShape:
 def kernel_bench(threads: int, n: int = 16, cells: int = 4096) -> dict[str, Any]:
     """``polykv-fattn-check --bench``: one node of ``cells`` shared cells and ``n`` tokens at the default model's
     heads, both kernels, and the FP32 FMA peak on ``threads`` threads."""
-    exe = Path(NATIVE_DIR) / "bin" / "polykv-fattn-check"
+    exe = NATIVE_DIR / "bin" / "polykv-fattn-check"
     proc = subprocess.run(
         [str(exe), "--bench", str(n), str(cells), str(threads), "0"], capture_output=True, text=True, check=False
     )

@@ -62,6 +62,7 @@ struct problem {
     const char * q; size_t nbq1, nbq2, nbq3;
     const char * k; size_t nbk1, nbk2, nbk3; int k_kind;
     const char * v; size_t nbv1, nbv2, nbv3; int v_kind;
+    size_t k_row, v_row; // bytes of one KV head's K / V row of one cell
     const char * mask; size_t nbm1, nbm3; int64_t mask_ne3;
     float scale;
     const float * sinks; // one logit per query head, or nullptr
@@ -214,11 +215,6 @@ static inline void exp_sub_acc(float * y, const float * x, const float * sub, fl
         y[j]   = expf(x[j] - sub[j]);
         rs[j] += y[j];
     }
-}
-
-// bytes of one KV head's row of one cell
-static inline size_t kv_row_bytes(int kind, int64_t d) {
-    return kind == KV_F16 ? d*sizeof(ggml_fp16_t) : d/QK8_0*sizeof(block_q8_0);
 }
 
 // cache lines of the rows of cells [c0, c0+n) of hg heads (row bytes each), for reading soon
@@ -829,13 +825,12 @@ static void run_item(const problem & p, int64_t item, float * scratch_base, floa
     const char * vbase = p.v + g0*p.nbv2 + ik3*p.nbv3;
     const char * mbase = p.mask + (i3 % p.mask_ne3)*p.nbm3;
 
-    const size_t k_row = kv_row_bytes(p.k_kind, DK), v_row = kv_row_bytes(p.v_kind, DV);
     for (int64_t t0 = c0; t0 < c1; t0 += TILE) {
         const int64_t tn = std::min(TILE, c1 - t0);
         // the next tile's K and V on their way while this one is computed (in a server they come from memory)
         if (t0 + TILE < c1) {
-            prefetch_rows(kbase, t0 + TILE, std::min(TILE, c1 - t0 - TILE), p.nbk1, p.nbk2, hg, k_row);
-            prefetch_rows(vbase, t0 + TILE, std::min(TILE, c1 - t0 - TILE), p.nbv1, p.nbv2, hg, v_row);
+            prefetch_rows(kbase, t0 + TILE, std::min(TILE, c1 - t0 - TILE), p.nbk1, p.nbk2, hg, p.k_row);
+            prefetch_rows(vbase, t0 + TILE, std::min(TILE, c1 - t0 - TILE), p.nbv1, p.nbv2, hg, p.v_row);
         }
 
         // mask values of the tile per token (once for all KV heads), how many cells each token sees, and
@@ -1030,6 +1025,7 @@ static bool describe(const ggml_tensor * dst, int nth, problem & p) {
     p.q = (const char *) q->data; p.nbq1 = q->nb[1]; p.nbq2 = q->nb[2]; p.nbq3 = q->nb[3];
     p.k = (const char *) k->data; p.nbk1 = k->nb[1]; p.nbk2 = k->nb[2]; p.nbk3 = k->nb[3]; p.k_kind = k_kind;
     p.v = (const char *) v->data; p.nbv1 = v->nb[1]; p.nbv2 = v->nb[2]; p.nbv3 = v->nb[3]; p.v_kind = v_kind;
+    p.k_row = ggml_row_size(k->type, DK); p.v_row = ggml_row_size(v->type, DV);
     p.mask = (const char *) mask->data; p.nbm1 = mask->nb[1]; p.nbm3 = mask->nb[3]; p.mask_ne3 = mask->ne[3];
     p.scale = scale;
     p.sinks = sinks ? (const float *) sinks->data : nullptr;

@@ -30,7 +30,7 @@ from typing import Any
 from polykv_py.client import AsyncClient
 from polykv_py.fanout import Agent, BasePrompt, Fanout
 
-from . import RESULTS
+from . import RESULTS, decode_exact
 from .common import round_up
 from .fanout import engine_params
 from .machine import load_avg, machine
@@ -95,6 +95,21 @@ def run_cell(system: System, cell: DecodeCell, base: str, *, threads: int, model
     return {"system": system.name, "p": cell.p, "n": cell.n, "gen": cell.gen, "kind": cell.kind, **out}
 
 
+def exact_cell(cell: DecodeCell, base: str, *, threads: int, model: str | None) -> dict[str, Any]:
+    """One fixed batch of the cell's agents on a fresh server per system, off against on (:mod:`bench.decode_exact`)."""
+    answers = {}
+    for system in DECODE_SYSTEMS.values():
+        server = start_system_server(
+            system, cell.n + 1, cells_for(cell), model=model, threads=threads, name=f"decode-exact-{system.name}"
+        )
+        try:
+            answers[system.name] = decode_exact.one_batch(server, base, cell.n, cell.gen)
+        finally:
+            server.stop()
+    summary = decode_exact.summarize(answers["patched"], answers["shared_decode"])
+    return {"p": cell.p, "n_agents": cell.n, "gen": cell.gen, **summary}
+
+
 def engine_cell(cell: DecodeCell, base: str, *, threads: int, model: str | None) -> list[dict[str, Any]]:
     """The same cell in-process: one engine, the switch off then on (the prefix decoded once)."""
     from polykv_py.engine import SharedPrefixEngine
@@ -133,6 +148,7 @@ def run_grid(
     gen: int | Sequence[int] = 48,
     fanout: tuple[int, int, int] | None = (4096, 16, 256),
     engine: tuple[int, int] | None = (4096, 16),
+    exact: Sequence[int] | None = None,
     repeat: int = 3,
     threads: int = 2,
     model: str | None = None,
@@ -140,7 +156,8 @@ def run_grid(
     say: Callable[[str], None] = log.info,
 ) -> dict[str, Any]:
     """Every (P, N, G) step cell and the long-answer fan-out, each system on a fresh server, off then on; the
-    kernel's node rate and the FP32 peak at the start and the end (:mod:`bench.roofline`)."""
+    kernel's node rate and the FP32 peak at the start and the end (:mod:`bench.roofline`); the exactness of one
+    fixed batch at the largest P and N for each G of ``exact`` (default: every G; ``[]``: none)."""
     gens = [gen] if isinstance(gen, int) else list(gen)
     cells = [DecodeCell(p, n, g) for g in gens for p in ps for n in ns]
     if fanout:
@@ -153,6 +170,7 @@ def run_grid(
             "gens": gens,
             "fanout": fanout,
             "engine": engine,
+            "exact": list(gens if exact is None else exact),
             "repeat": repeat,
             "threads": threads,
         },
@@ -160,6 +178,7 @@ def run_grid(
         "systems": {name: s.label for name, s in DECODE_SYSTEMS.items()},
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "cells": [],
+        "exact": [],
         "kernel": [kernel_bench(threads)],
     }
     bases: dict[int, str] = {}
@@ -187,6 +206,16 @@ def run_grid(
             bases[cell.p] = base_for(cell.p, model)
         say(f"decode: in-process engine P={cell.p} N={cell.n} G={cell.gen}, off then on ...")
         doc["cells"] += engine_cell(cell, bases[cell.p], threads=threads, model=model)
+    for g in doc["config"]["exact"]:
+        cell = DecodeCell(max(ps), max(ns), g, "exact")
+        if cell.p not in bases:
+            bases[cell.p] = base_for(cell.p, model)
+        say(f"decode: exactness P={cell.p} N={cell.n} G={g}: one fixed batch per system ...")
+        row = exact_cell(cell, bases[cell.p], threads=threads, model=model)
+        say(f"decode: exactness G={g}: {row['identical']} identical / {row['near_tie']} near tie / "
+            f"{row['different']} different, max drift {row['max_drift']}")  # fmt: skip
+        doc["exact"].append(row)
+        write(doc, out_dir)
     doc["kernel"].append(kernel_bench(threads))
     doc["roofline"] = roofline_rows(doc, attention_shape(model))
     doc["machine"]["load_avg_end"] = load_avg()
@@ -332,7 +361,7 @@ def markdown(doc: dict[str, Any]) -> str:
         "private cells). Differences: for each agent whose answer differs, the character of its text where it first "
         "differs. Off and on run on separate servers whose batches form at different moments, so answers also "
         "differ where the path is not used (N = 1 in earlier runs); the kernel's exactness is checked against "
-        "double precision by polykv-fattn-check, and greedy answers in one fixed batch by the gate.",
+        "double precision by polykv-fattn-check, and greedy answers in one fixed batch in the exactness section.",
         "",
         table(
             STEP_COLUMNS,
@@ -341,6 +370,7 @@ def markdown(doc: dict[str, Any]) -> str:
         ),
         "",
     ]
+    lines += decode_exact.markdown(doc.get("exact", []))
     lines += roofline_markdown(doc)
     for off, on in pairs(doc):
         if off["kind"] == "engine":
@@ -462,6 +492,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--no-fanout", action="store_true")
     ap.add_argument("--no-engine", action="store_true", help="skip the in-process engine cell (N=16, P=4096)")
+    ap.add_argument(
+        "--exact-gen",
+        type=int,
+        nargs="*",
+        help="G of the exactness pass (one fixed batch at the largest P and N; default: every --gen; none: skip)",
+    )
     ap.add_argument("--repeat", type=int, default=3, help="runs per system of each step cell, median (default 3)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", "-m")
@@ -474,6 +510,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         gen=args.gen,
         fanout=None if args.no_fanout else tuple(args.fanout),
         engine=None if args.no_engine else (4096, 16),
+        exact=args.exact_gen,
         repeat=args.repeat,
         threads=args.threads,
         model=args.model,

@@ -35,7 +35,7 @@ from .common import round_up
 from .fanout import engine_params
 from .machine import load_avg, machine
 from .multiturn import QUESTION_TOKENS, base_for, question_block
-from .roofline import attention_shape, kernel_bench
+from .roofline import attention_shape, kernel_readings
 from .roofline import rows as roofline_rows
 from .systems import SYSTEMS, UPSTREAM_DECODE, System, start_system_server
 
@@ -179,7 +179,7 @@ def run_grid(
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "cells": [],
         "exact": [],
-        "kernel": [kernel_bench(threads)],
+        "kernel": [kernel_readings(threads)],
     }
     bases: dict[int, str] = {}
     for cell in cells:
@@ -216,7 +216,7 @@ def run_grid(
             f"{row['different']} different, max drift {row['max_drift']}")  # fmt: skip
         doc["exact"].append(row)
         write(doc, out_dir)
-    doc["kernel"].append(kernel_bench(threads))
+    doc["kernel"].append(kernel_readings(threads))
     doc["roofline"] = roofline_rows(doc, attention_shape(model))
     doc["machine"]["load_avg_end"] = load_avg()
     doc["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -280,9 +280,17 @@ def roofline_markdown(doc: dict[str, Any]) -> list[str]:
             + "; ".join(
                 f"node {k['ms_on']} ms on = {k['gflops_on']} GFLOP/s ({k['on_of_peak']:.0%} of peak), "
                 f"upstream's kernel {k['ms_off']} ms, FP32 FMA peak {k['fma_peak_gflops']} GFLOP/s"
+                + (
+                    f"; cold nodes of {' and '.join(f'{c:,}' for c in k['cold']['cells'])} cells "
+                    f"{' / '.join(map(str, k['cold']['ms_on']))} ms on, {' / '.join(map(str, k['cold']['ms_off']))} ms "
+                    "upstream"
+                    if "cold" in k
+                    else ""
+                )
                 for k in kernel
             )
-            + ".",
+            + ". Cold: 64 MiB read by each thread before every computation (untimed), as the server's weights pass "
+            "through the caches between two attention nodes.",
             "",
         ]
     roof = doc.get("roofline") or []
@@ -290,10 +298,12 @@ def roofline_markdown(doc: dict[str, Any]) -> list[str]:
         lines += [
             "In the server: the step at the larger P minus the step at the smaller P (same N and G) is the extra "
             "cells' attention and whatever else grows with P; GFLOP counts the attention alone (per token, cell and "
-            "query head a dot product and an axpy, every layer). Peak: the higher of the run's two readings.",
+            "query head a dot product and an axpy, every layer). Peak: the higher of the run's two readings. Cold "
+            "nodes: what the same extra cells cost in one cold node per layer (the two cold nodes' difference per "
+            "cell, median of the readings); the server's extra ms beyond it is what the step adds around the kernel.",
             "",
             table(
-                ["system", "N", "G", "P", "extra ms/step", "GFLOP", "GFLOP/s", "of FP32 peak"],
+                ["system", "N", "G", "P", "extra ms/step", "cold nodes ms", "GFLOP", "GFLOP/s", "of FP32 peak"],
                 [
                     [
                         r["system"],
@@ -301,6 +311,7 @@ def roofline_markdown(doc: dict[str, Any]) -> list[str]:
                         r["gen"],
                         f"{r['p_lo']:,} -> {r['p_hi']:,}",
                         r["extra_ms"],
+                        r.get("nodes_ms"),
                         r["gflop"],
                         r["gflops"],
                         None if r["of_peak"] is None else f"{r['of_peak']:.0%}",

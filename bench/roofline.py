@@ -61,17 +61,45 @@ def attention_shape(model: str | None) -> AttentionShape:
     return AttentionShape(n_layer, n_head, dk, dv)
 
 
-def kernel_bench(threads: int, n: int = 16, cells: int = 4096) -> dict[str, Any]:
+def kernel_bench(threads: int, n: int = 16, cells: int = 4096, *, cold: bool = False) -> dict[str, Any]:
     """``polykv-fattn-check --bench``: one node of ``cells`` shared cells and ``n`` tokens at the default model's
-    heads, both kernels, and the FP32 FMA peak on ``threads`` threads."""
+    heads, both kernels, and the FP32 FMA peak on ``threads`` threads (``cold``: 64 MiB read by each thread before
+    every computation, as a server's weights pass through the caches between two attention nodes)."""
     exe = NATIVE_DIR / "bin" / "polykv-fattn-check"
-    proc = subprocess.run(
-        [str(exe), "--bench", str(n), str(cells), str(threads), "0"], capture_output=True, text=True, check=False
-    )
+    args = [str(exe), "--bench", str(n), str(cells), str(threads), "0", "prefix"] + (["cold"] if cold else [])
+    proc = subprocess.run(args, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{exe} --bench failed ({proc.returncode}): {proc.stderr[-1000:]}")
     out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     return out
+
+
+#: the two cold nodes whose difference predicts the step's extra cells (the default grid's two pools)
+COLD_CELLS = (256, 4096)
+
+
+def kernel_readings(threads: int) -> dict[str, Any]:
+    """The node warm (repeated: its K/V and scratch stay in the caches), and cold at :data:`COLD_CELLS` cells."""
+    warm = kernel_bench(threads)
+    lo, hi = (kernel_bench(threads, cells=c, cold=True) for c in COLD_CELLS)
+    return {**warm, "cold": {"cells": list(COLD_CELLS), "ms_on": [lo["ms_on"], hi["ms_on"]],
+                             "ms_off": [lo["ms_off"], hi["ms_off"]]}}  # fmt: skip
+
+
+def node_prediction(doc: dict[str, Any], shape: AttentionShape, system: str, n: int, cells: int) -> float | None:
+    """ms per step that ``cells`` more cells cost in ``shape.n_layer`` cold nodes: the two cold nodes' difference
+    per cell (the median over the run's readings), so what every node pays once (scratch, queries, partials
+    refilled) cancels as it does between two pools. None without cold readings or for another N."""
+    key = "ms_on" if system == "shared_decode" else "ms_off"
+    per_cell = []
+    for k in doc.get("kernel", []):
+        cold = k.get("cold")
+        if cold and k.get("N") == n:
+            (c_lo, c_hi), (t_lo, t_hi) = cold["cells"], cold[key]
+            per_cell.append((t_hi - t_lo) / (c_hi - c_lo))
+    if not per_cell:
+        return None
+    return round(sorted(per_cell)[len(per_cell) // 2] * cells * shape.n_layer, 2)
 
 
 def rows(doc: dict[str, Any], shape: AttentionShape) -> list[dict[str, Any]]:
@@ -103,6 +131,7 @@ def rows(doc: dict[str, Any], shape: AttentionShape) -> list[dict[str, Any]]:
                 "gflops": None if rate is None else round(rate, 1),
                 "peak_gflops": peak,
                 "of_peak": None if rate is None or not peak else round(rate / peak, 3),
+                "nodes_ms": node_prediction(doc, shape, system, n, p_hi - p_lo),
             }
         )
     return out

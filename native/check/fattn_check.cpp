@@ -12,10 +12,12 @@
 //            the switch flipped by another thread as fast as it can while one node is computed again and again
 //            on a kept threadpool: every result must be the path's or upstream's, bit for bit (the switch is read
 //            once per graph compute, so the threads of a node never split between the two)
-//        polykv-fattn-check --bench [N] [n_kv] [threads] [n_priv] [layout]
+//        polykv-fattn-check --bench [N] [n_kv] [threads] [n_priv] [layout] [cold]
 //            ms per node, path off and on (default 16 4608 2, a quarter of the cells private, "prefix";
 //            "causal": one sequence's prompt batch), the attention's GFLOP/s each way and, on x86-64,
-//            the machine's FP32 FMA peak on as many threads, measured in the same run
+//            the machine's FP32 FMA peak on as many threads, measured in the same run; "cold": 64 MiB
+//            read before every computation (untimed), as a server's weights pass through the caches
+//            between two attention nodes
 
 #include "ggml.h"
 #include "ggml-backend.h"
@@ -141,7 +143,8 @@ double max_abs(const std::vector<float> & a, const std::vector<double> & b) {
     return m;
 }
 
-result run_case(const test_case & tc, const cpu_switch & sw, int bench_reps = 0, int toggle_reps = 0) {
+result run_case(const test_case & tc, const cpu_switch & sw, int bench_reps = 0, int toggle_reps = 0,
+                bool cold = false) {
     std::mt19937 rng(tc.seed);
     std::normal_distribution<float> nd(0.0f, 1.0f);
 
@@ -289,9 +292,26 @@ result run_case(const test_case & tc, const cpu_switch & sw, int bench_reps = 0,
         std::vector<uint8_t> work(plan.work_size);
         plan.work_data = work.data();
         std::vector<double> t_off, t_on;
+        std::vector<uint8_t> evict(cold ? (size_t) 64 << 20 : 0, 1);
+        std::atomic<unsigned> kept{0}; // keeps the reads
         for (int r = 0; r < bench_reps; ++r) {
             for (bool on : { false, true }) {
                 sw.set(on);
+                if (cold) { // one reader per compute thread, so every core's L2 is refilled too
+                    std::vector<std::thread> readers;
+                    for (int t = 0; t < tc.threads; ++t) {
+                        readers.emplace_back([&]() {
+                            uint8_t sum = 0; // read, not written: weights leave no dirty lines behind
+                            for (size_t b = 0; b < evict.size(); b += 64) {
+                                sum = (uint8_t) (sum + evict[b]);
+                            }
+                            kept.fetch_add(sum, std::memory_order_relaxed);
+                        });
+                    }
+                    for (auto & th : readers) {
+                        th.join();
+                    }
+                }
                 const auto t0 = std::chrono::steady_clock::now();
                 ggml_graph_compute(gf, &plan);
                 const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -467,8 +487,9 @@ int main(int argc, char ** argv) {
         const int threads = argc > 4 ? atoi(argv[4]) : 2;
         const int n_priv  = argc > 5 ? atoi(argv[5]) : -1;
         const std::string layout = argc > 6 ? argv[6] : "prefix";
+        const bool cold = argc > 7 && std::string(argv[7]) == "cold";
         const test_case tc = { layout, 64, 64, 9, 3, N, n_kv, threads, GGML_TYPE_F16, 1, "", n_priv };
-        const result r = run_case(tc, sw, 21);
+        const result r = run_case(tc, sw, 21, 0, cold);
         // the attention's own arithmetic: per query head and visible (token, cell) pair, a DK dot
         // product and a DV axpy, 2 flops per multiply-add (upstream does the same amount)
         const double gflop = (double) r.visible * tc.n_head * 2 * (tc.DK + tc.DV) / 1e9;

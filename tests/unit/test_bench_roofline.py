@@ -68,3 +68,25 @@ def test_report_shows_growth_with_g_differences_and_the_roofline() -> None:
     assert "+2.9%" in md  # 70 / 68 - 1: the step's growth from G = 128 to 512 at P = 4,096
     assert "15/16" in md and "char 2" in md
     assert "FP32 FMA peak 500.0 GFLOP/s" in md and "256 -> 4,096" in md
+
+
+def test_cold_nodes_predict_the_extra_cells_per_system() -> None:
+    doc = _doc([_cell("shared_decode", 256, 76.0), _cell("shared_decode", 4096, 105.0),
+                _cell("patched", 256, 91.0), _cell("patched", 4096, 299.0)])  # fmt: skip
+    for k, (on, off) in zip(doc["kernel"], (((0.4, 1.2), (1.0, 7.0)), ((0.4, 1.3), (1.0, 8.0))), strict=True):
+        k.update({"N": 16, "n_kv": 4096, "cold": {"cells": [256, 4096], "ms_on": on, "ms_off": off}})
+    out = {r["system"]: r for r in rows(doc, DEFAULT_SHAPE)}
+    # the median of two readings is the upper one; the nodes' difference is the pools' (3,840 cells), 30 layers
+    assert out["shared_decode"]["nodes_ms"] == pytest.approx(0.9 * 30, abs=0.01)
+    assert out["patched"]["nodes_ms"] == pytest.approx(7.0 * 30, abs=0.01)
+    md = decode.markdown({**doc, "roofline": rows(doc, DEFAULT_SHAPE)})
+    assert "cold nodes of 256 and 4,096 cells 0.4 / 1.2 ms on, 1.0 / 7.0 ms upstream" in md
+    assert "|         27.00 |" in md
+
+
+def test_no_node_prediction_without_cold_readings_or_for_another_n() -> None:
+    doc = _doc([_cell("shared_decode", 256, 50.0, n=4), _cell("shared_decode", 4096, 60.0, n=4)])
+    assert rows(doc, DEFAULT_SHAPE)[0]["nodes_ms"] is None
+    for k in doc["kernel"]:
+        k.update({"N": 16, "n_kv": 4096, "cold": {"cells": [256, 4096], "ms_on": [0.4, 1.2], "ms_off": [1.0, 7.0]}})
+    assert rows(doc, DEFAULT_SHAPE)[0]["nodes_ms"] is None

@@ -183,6 +183,22 @@ def test_bench_reports_the_attention_arithmetic_and_the_fma_peak() -> None:
         assert r["fma_peak_gflops"] == -1 and r["on_of_peak"] == -1
 
 
+def test_bench_cold_reads_the_caches_away_and_computes_the_same_node() -> None:
+    """``--bench ... cold`` (bench.decode's cold nodes) reads 64 MiB per thread before each computation, untimed:
+    the same node, the same arithmetic and the same error as warm; only the clock may differ."""
+    exe = NATIVE_DIR / "bin" / "polykv-fattn-check"
+    out = {}
+    for mode in ("warm", "cold"):
+        proc = subprocess.run([str(exe), "--bench", "16", "1024", "2", "256", "prefix", mode],
+                              capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        out[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    log.warning("polykv-fattn-check --bench 16 1024 2 256: warm %s, cold %s", out["warm"], out["cold"])
+    warm, cold = out["warm"], out["cold"]
+    assert cold["gflop"] == warm["gflop"] and cold["err_on"] == warm["err_on"] <= MAX_ERR
+    assert cold["ms_on"] > 0 and cold["ms_off"] > 0
+
+
 def test_a_switch_flipped_during_computes_never_splits_a_node() -> None:
     """``--toggle``: another thread flips the switch while one node is computed 400 times on 2 threads. The switch
     is read once per graph compute (issue 34), so every result is the path's or upstream's, bit for bit; both must

@@ -11,6 +11,11 @@ before, the same way for both). Answers are compared token for token (greedy tex
 The in-process engine links the same libggml: its cell runs N agents over the same prefix in
 one process, with the switch off and then on (:mod:`polykv_py.llama.shared_decode`); its step
 is the generation time over G.
+
+Exactness (:mod:`bench.decode_exact`): at the largest P and N, for each G of ``--exact-gen``, the
+agents go to each server as one multi-prompt request (same slots, cells and batches), and every
+agent's greedy answer on is compared with its answer off, each flip with its log-prob gap. The
+roofline (:mod:`bench.roofline`): the FP32 peak and the node warm and cold, at the start and the end.
 """
 
 from __future__ import annotations

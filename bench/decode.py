@@ -100,8 +100,12 @@ def run_cell(system: System, cell: DecodeCell, base: str, *, threads: int, model
     return {"system": system.name, "p": cell.p, "n": cell.n, "gen": cell.gen, "kind": cell.kind, **out}
 
 
-def exact_cell(cell: DecodeCell, base: str, *, threads: int, model: str | None) -> dict[str, Any]:
-    """One fixed batch of the cell's agents on a fresh server per system, off against on (:mod:`bench.decode_exact`)."""
+def exact_cells(
+    p: int, n: int, gens: Sequence[int], base: str, *, threads: int, model: str | None
+) -> list[dict[str, Any]]:
+    """One fixed batch of N agents at the largest G on a fresh server per system, off against on over each G's
+    first tokens (:mod:`bench.decode_exact`)."""
+    cell = DecodeCell(p, n, max(gens), "exact")
     answers = {}
     for system in DECODE_SYSTEMS.values():
         server = start_system_server(
@@ -111,8 +115,11 @@ def exact_cell(cell: DecodeCell, base: str, *, threads: int, model: str | None) 
             answers[system.name] = decode_exact.one_batch(server, base, cell.n, cell.gen)
         finally:
             server.stop()
-    summary = decode_exact.summarize(answers["patched"], answers["shared_decode"])
-    return {"p": cell.p, "n_agents": cell.n, "gen": cell.gen, **summary}
+    return [
+        {"p": p, "n_agents": n, "gen": g,
+         **decode_exact.summarize(answers["patched"], answers["shared_decode"], None if g == cell.gen else g)}
+        for g in sorted(gens)
+    ]  # fmt: skip
 
 
 def engine_cell(cell: DecodeCell, base: str, *, threads: int, model: str | None) -> list[dict[str, Any]]:
@@ -162,7 +169,7 @@ def run_grid(
 ) -> dict[str, Any]:
     """Every (P, N, G) step cell and the long-answer fan-out, each system on a fresh server, off then on; the
     kernel's node rate and the FP32 peak at the start and the end (:mod:`bench.roofline`); the exactness of one
-    fixed batch at the largest P and N for each G of ``exact`` (default: every G; ``[]``: none)."""
+    fixed batch at the largest P and N, compared over each G of ``exact`` (default: every G; ``[]``: none)."""
     gens = [gen] if isinstance(gen, int) else list(gen)
     cells = [DecodeCell(p, n, g) for g in gens for p in ps for n in ns]
     if fanout:
@@ -211,15 +218,15 @@ def run_grid(
             bases[cell.p] = base_for(cell.p, model)
         say(f"decode: in-process engine P={cell.p} N={cell.n} G={cell.gen}, off then on ...")
         doc["cells"] += engine_cell(cell, bases[cell.p], threads=threads, model=model)
-    for g in doc["config"]["exact"]:
-        cell = DecodeCell(max(ps), max(ns), g, "exact")
-        if cell.p not in bases:
-            bases[cell.p] = base_for(cell.p, model)
-        say(f"decode: exactness P={cell.p} N={cell.n} G={g}: one fixed batch per system ...")
-        row = exact_cell(cell, bases[cell.p], threads=threads, model=model)
-        say(f"decode: exactness G={g}: {row['identical']} identical / {row['near_tie']} near tie / "
-            f"{row['different']} different, max drift {row['max_drift']}")  # fmt: skip
-        doc["exact"].append(row)
+    if doc["config"]["exact"]:
+        p, n, gs = max(ps), max(ns), doc["config"]["exact"]
+        if p not in bases:
+            bases[p] = base_for(p, model)
+        say(f"decode: exactness P={p} N={n} G={max(gs)}: one fixed batch per system ...")
+        doc["exact"] = exact_cells(p, n, gs, bases[p], threads=threads, model=model)
+        for row in doc["exact"]:
+            say(f"decode: exactness G={row['gen']}: {row['identical']} identical / {row['near_tie']} near tie / "
+                f"{row['different']} different, max drift {row['max_drift']}")  # fmt: skip
         write(doc, out_dir)
     doc["kernel"].append(kernel_readings(threads))
     doc["roofline"] = roofline_rows(doc, attention_shape(model))

@@ -44,14 +44,16 @@ def layout_of(answer: dict[str, Any]) -> list[Any]:
     return [answer.get(k) for k in LAYOUT_FIELDS] + [t.get("prompt_n"), t.get("cache_n")]
 
 
-def summarize(off: Sequence[dict[str, Any]], on: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Verdict counts, every flip (agent, token, gap) and the largest drift of an agreed token."""
+def summarize(off: Sequence[dict[str, Any]], on: Sequence[dict[str, Any]], gen: int | None = None) -> dict[str, Any]:
+    """Verdict counts, every flip (agent, token, gap) and the largest drift of an agreed token, over each answer's
+    first ``gen`` tokens (None: all; in one fixed batch the first G tokens of a longer answer are the answer at G,
+    so one batch at the largest G serves every smaller one)."""
     cmps = [
         compare_steps(
-            steps_from_probs(a["completion_probabilities"]),
-            steps_from_probs(b["completion_probabilities"]),
-            text_a=a.get("content"),
-            text_b=b.get("content"),
+            steps_from_probs(a["completion_probabilities"][:gen]),
+            steps_from_probs(b["completion_probabilities"][:gen]),
+            text_a=a.get("content") if gen is None else None,
+            text_b=b.get("content") if gen is None else None,
             margins=LAYOUT,
         )
         for a, b in zip(off, on, strict=True)

@@ -46,6 +46,14 @@ def test_flips_are_counted_with_their_token_and_gap() -> None:
     assert (diff["agent"], diff["token"], diff["verdict"], diff["gap"]) == (2, 0, "different", 4.0)
 
 
+def test_a_shorter_g_compares_the_first_tokens_of_the_longer_answers() -> None:
+    # the near tie at token 1 lies beyond G = 1; the confident flip at token 0 does not
+    off, on = _pair()
+    s = decode_exact.summarize(off, on, 1)
+    assert (s["identical"], s["near_tie"], s["different"]) == (2, 0, 1)
+    assert [f["agent"] for f in s["flips"]] == [2]
+
+
 def test_a_layout_that_differs_is_reported() -> None:
     off, on = _pair()
     on[0]["id_slot"] = 9

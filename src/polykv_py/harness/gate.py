@@ -12,7 +12,8 @@ patch series makes to ggml or common with every polykv option off shows in ``def
    deterministic base context, send sharers whose P is the common prefix of the
    *tokenized* pool prompt and the tokenized full prompt.  Each must report a hit,
    process only ``n_prompt - P`` tokens, and answer byte-identically to the reference
-   server answering the same request from its own cache after the same priming request.
+   server answering the same request from its own cache after the same priming (the sharer's first P
+   tokens on both: :func:`shared_prefix_tokens`).
    Sent all at once, each must hit too, and each greedy one answer like it did alone
    (:func:`~polykv_py.harness.compare.compare_greedy`, :data:`~polykv_py.harness.compare.LAYOUT`
    margins: identical or a near tie, never different).
@@ -322,6 +323,19 @@ class Sharer:
         return Case(self.case.name + "/fresh", "/completion", {**self.body, "cache_prompt": False})
 
 
+def shared_prefix_tokens(client: Client, sharer: Sharer) -> list[int]:
+    """The first P tokens of ``sharer``'s prompt: what an exact phase primes on both servers.
+
+    Priming with the base text instead leaves the base's own last token in the pool's cells when it merges
+    with the question (P is then one less than the base's tokens): the sharer's suffix starts one cell
+    later than in the reference, whose own cache frees that cell and fills it. The CPU kernel does not
+    see such a hole; Vulkan's attention does (measured on lavapipe: first-token logprob -0.94116 vs
+    -0.94603 with the hole, byte-identical without it), so only a prefix of exactly P tokens lays both
+    servers' cells out alike on every backend.
+    """
+    return client.prompt_tokens(sharer.prompt)[: sharer.p]
+
+
 def make_sharers(client: Client, base: str, cfg: GateConfig) -> tuple[list[Sharer], Json]:
     """Sharers with P computed from the tokenized pool prompt and tokenized full prompts."""
     base_tokens = client.prompt_tokens(base)
@@ -560,8 +574,8 @@ def check_share_hit(servers: _Servers) -> CheckResult:
     elsewhere, so rounding may differ), identical or a near tie (a seeded sampler turns such
     rounding into another token whenever its draw falls near a boundary: the sampled sharer is
     compared byte for byte in the next phase only).  *Exact*: for each
-    sharer a fresh share server (prime the pool, send the sharer) and a fresh
-    reference server (prime slot s, send the same request to slot s), so that both
+    sharer a fresh share server (prime the pool with the sharer's first P tokens, send the sharer) and a
+    fresh reference server (prime slot s with the same tokens, send the same request to slot s), so that both
     lay the request's KV cells out the same way: on this tree the CPU flash-attention
     kernel walks the cache in fixed tiles of cells, so where a cell sits changes the
     rounding, and only like-for-like layouts can be compared byte for byte.
@@ -607,11 +621,12 @@ def _share_hit_alone(
     alone: dict[int, Json] = {}
     for s in together.sharers:
         with servers.start(kind, args, f"share-{kind}-{s.index}") as srv:
-            srv.client.prime(together.base, POOL_SLOT)
+            prefix = shared_prefix_tokens(srv.client, s)
+            srv.client.prime(prefix, POOL_SLOT)
             mine_raw = send(srv.client, s.with_pool())
             mine_fresh = final_of(send(srv.client, s.fresh()), "/completion") if cfg.fresh_info else {}
         with servers.start("upstream", ref_args, f"share-reference-{s.index}") as ref:
-            ref.client.prime(together.base, s.slot)
+            ref.client.prime(prefix, s.slot)
             own_raw = send(ref.client, s.case)
             ref_fresh = final_of(send(ref.client, s.fresh()), "/completion") if cfg.fresh_info else {}
         mine, own = final_of(mine_raw, "/completion"), final_of(own_raw, "/completion")
@@ -746,7 +761,8 @@ def check_auto_share(servers: _Servers) -> CheckResult:
     sharer's request with no pool field and no ``id_slot``; it must hit pool 0 with ``"auto": "pool"``,
     P the common prefix of the tokenized prompts, and process only the rest. Its answer must be
     byte-identical to a fresh reference server's answer from its own cache after the same priming
-    (slot s primed, the same request pinned to s: the same split and cell layout).
+    (slot s primed, the same request pinned to s: the same split and cell layout; both primed with the
+    sharer's first P tokens, :func:`shared_prefix_tokens`).
     """
     cfg = servers.cfg
     res = CheckResult("auto_share")
@@ -761,13 +777,14 @@ def check_auto_share(servers: _Servers) -> CheckResult:
                 sharers, sinfo = make_sharers(srv.client, base, cfg)
                 res.info.update(sinfo)
             s = sharers[i]
-            srv.client.prime(base, POOL_SLOT)
+            prefix = shared_prefix_tokens(srv.client, s)
+            srv.client.prime(prefix, POOL_SLOT)
             plain = {k: v for k, v in s.body.items() if k != "id_slot"}
             mine_raw = send(srv.client, Case(s.case.name + "/auto", "/completion", plain))
         mine = final_of(mine_raw, "/completion")
         slot = mine.get("id_slot", s.slot)
         with servers.start("upstream", ref_args, f"auto-reference-{i + 1}") as ref:
-            ref.client.prime(base, slot)
+            ref.client.prime(prefix, slot)
             own_raw = send(ref.client, Case(s.case.name, "/completion", {**s.body, "id_slot": slot}))
         case = _sharer_case(s, _auto_verdict(mine, s), mine_raw, own_raw, "identical_to_reference_own_cache")
         res.cases.append(case)

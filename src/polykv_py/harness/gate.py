@@ -328,10 +328,10 @@ def shared_prefix_tokens(client: Client, sharer: Sharer) -> list[int]:
 
     Priming with the base text instead leaves the base's own last token in the pool's cells when it merges
     with the question (P is then one less than the base's tokens): the sharer's suffix starts one cell
-    later than in the reference, whose own cache frees that cell and fills it. The CPU kernel does not
-    see such a hole; Vulkan's attention does (measured on lavapipe: first-token logprob -0.94116 vs
-    -0.94603 with the hole, byte-identical without it), so only a prefix of exactly P tokens lays both
-    servers' cells out alike on every backend.
+    later than in the reference, whose own cache frees that cell and fills it. On the CPU backend the
+    answers agreed all the same; on Vulkan they did not (lavapipe: first-token logprob -0.94116 vs -0.94603
+    with the pool primed with the base, byte-identical with exactly P tokens), so only a prefix of exactly
+    P tokens lays both servers' cells out alike on every backend.
     """
     return client.prompt_tokens(sharer.prompt)[: sharer.p]
 

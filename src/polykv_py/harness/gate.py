@@ -129,6 +129,8 @@ class Case:
     endpoint: str
     body: Json
     group: int = 0  # cases with the same non-zero group are sent concurrently
+    # a group's lead (streamed) goes first; the rest of the group once its first token is back (see _gather)
+    lead: bool = False
 
     @property
     def stream(self) -> bool:
@@ -197,8 +199,34 @@ def run_cases(server: LlamaServer, cases: Sequence[Case]) -> dict[str, Answer]:
 
 
 async def _gather(server: LlamaServer, cases: Sequence[Case]) -> list[Answer]:
+    """``cases`` at once, answers in their order.
+
+    A lead case (:attr:`Case.lead`, a stream) goes first, and the others only once its first token has come
+    back: they then reach the server while it decodes the lead's next token, so its loop starts them in one
+    batch. Sent all at once without a lead, which request makes the first batch depends on which HTTP thread
+    is quicker; the CPU backend's answers do not depend on that, Vulkan's do (measured on lavapipe: the third
+    request joined one step later on the patched server than on the reference, and two answers differed).
+    """
     async with server.async_client() as client:
-        return list(await asyncio.gather(*(_send_async(client, c) for c in cases)))
+        first_token = asyncio.Event()
+
+        async def lead(case: Case) -> Answer:
+            chunks: list[Json] = []
+            try:
+                async for chunk in client.stream_events(case.endpoint, case.body):
+                    chunks.append(chunk)
+                    first_token.set()
+            finally:
+                first_token.set()
+            return chunks
+
+        leads = {c.name: asyncio.create_task(lead(c)) for c in cases if c.lead}
+        if leads:
+            await first_token.wait()
+        rest = {c.name: asyncio.create_task(_send_async(client, c)) for c in cases if not c.lead}
+        tasks = leads | rest
+        await asyncio.gather(*tasks.values())
+        return [tasks[c.name].result() for c in cases]
 
 
 def default_output_cases(n_predict: int, n_probs: int) -> list[Case]:
@@ -247,6 +275,22 @@ def default_output_cases(n_predict: int, n_probs: int) -> list[Case]:
         )
     # several slots at once
     cases += [
+        Case(
+            "concurrent/slot0/lead-stream",
+            "/completion",
+            # outlasts the others' start (ignore_eos), so they join a server that is still decoding it
+            {
+                "prompt": PROMPTS[2],
+                "n_predict": n_predict + 4,
+                "n_probs": n_probs,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "id_slot": 0,
+                "stream": True,
+            },
+            1,
+            lead=True,
+        ),
         Case(
             "concurrent/slot1/completion",
             "/completion",

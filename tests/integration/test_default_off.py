@@ -16,6 +16,7 @@ answers are compared after removing only :data:`polykv_py.harness.answers.VOLATI
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +85,7 @@ def pinned(cases: list[Case]) -> list[Case]:
     for i, case in enumerate(cases):
         body = copy.deepcopy(case.body)
         body.setdefault("id_slot", 1 + i % (N_SLOTS - 1))
-        out.append(Case(case.name, case.endpoint, body, case.group))
+        out.append(dataclasses.replace(case, body=body))
     return out
 
 

@@ -276,22 +276,6 @@ def default_output_cases(n_predict: int, n_probs: int) -> list[Case]:
     # several slots at once
     cases += [
         Case(
-            "concurrent/slot0/lead-stream",
-            "/completion",
-            # outlasts the others' start (ignore_eos), so they join a server that is still decoding it
-            {
-                "prompt": PROMPTS[2],
-                "n_predict": n_predict + 4,
-                "n_probs": n_probs,
-                "temperature": 0.0,
-                "ignore_eos": True,
-                "id_slot": 0,
-                "stream": True,
-            },
-            1,
-            lead=True,
-        ),
-        Case(
             "concurrent/slot1/completion",
             "/completion",
             {"prompt": PROMPTS[3], "n_predict": n_predict, "n_probs": n_probs, "temperature": 0.0, "id_slot": 1},
@@ -300,8 +284,18 @@ def default_output_cases(n_predict: int, n_probs: int) -> list[Case]:
         Case(
             "concurrent/slot2/completion-seeded-stream",
             "/completion",
-            {"prompt": PROMPTS[0], "n_predict": n_predict, "n_probs": n_probs, **seeded, "id_slot": 2, "stream": True},
+            # the group's lead: the others follow once its first token is back, so it must outlast their start
+            {
+                "prompt": PROMPTS[0],
+                "n_predict": n_predict,
+                "n_probs": n_probs,
+                **seeded,
+                "id_slot": 2,
+                "stream": True,
+                "ignore_eos": True,
+            },
             1,
+            lead=True,
         ),
         Case(
             "concurrent/slot3/chat",

@@ -6,7 +6,8 @@ patch series makes to ggml or common with every polykv option off shows in ``def
 
 1. ``default_output``: the same requests (completion, /v1/completions and chat;
    stream and non-stream; greedy and seeded; with probabilities; several slots at
-   once) to the patched server *without* pool fields and to the reference server,
+   once, behind a streamed lead so that both servers batch them alike: :func:`_gather`)
+   to the patched server *without* pool fields and to the reference server,
    same flags.  Answers must be byte-identical once :data:`VOLATILE_FIELDS` are removed.
 2. ``share_hit``: boot with ``--no-clear-idle -kvu -np 4``, prime the pool slot with a
    deterministic base context, send sharers whose P is the common prefix of the

@@ -80,7 +80,7 @@ def test_build_base_ends_with_blank_line_and_reaches_size() -> None:
 
 
 def sharer(p: int = 100, n_prompt: int = 120) -> Sharer:
-    return Sharer(1, 1, "prompt", p, n_prompt, {})
+    return Sharer(1, 1, "prompt", p, list(range(n_prompt)), {})
 
 
 def test_verdict_hit() -> None:

@@ -14,7 +14,7 @@ patch series makes to ggml or common with every polykv option off shows in ``def
    *tokenized* pool prompt and the tokenized full prompt.  Each must report a hit,
    process only ``n_prompt - P`` tokens, and answer byte-identically to the reference
    server answering the same request from its own cache after the same priming (the sharer's first P
-   tokens on both: :func:`shared_prefix_tokens`).
+   tokens on both: :attr:`Sharer.prefix_tokens`).
    Sent all at once, each must hit too, and each greedy one answer like it did alone
    (:func:`~polykv_py.harness.compare.compare_greedy`, :data:`~polykv_py.harness.compare.LAYOUT`
    margins: identical or a near tie, never different).
@@ -347,8 +347,25 @@ class Sharer:
     slot: int
     prompt: str
     p: int  # shared prefix length, from the tokenized prompts
-    n_prompt: int
+    tokens: list[int]  # the prompt as /completion evaluates it
     body: Json
+
+    @property
+    def n_prompt(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def prefix_tokens(self) -> list[int]:
+        """The first P tokens of the prompt: what an exact phase primes on both servers.
+
+        Priming with the base text instead leaves the base's own last token in the pool's cells when it merges
+        with the question (P is then one less than the base's tokens): the sharer's suffix starts one cell
+        later than in the reference, whose own cache frees that cell and fills it. On the CPU backend the
+        answers agreed all the same; on Vulkan they did not (lavapipe: first-token logprob -0.94116 vs -0.94603
+        with the pool primed with the base, byte-identical with exactly P tokens), so only a prefix of exactly
+        P tokens lays both servers' cells out alike on every backend.
+        """
+        return self.tokens[: self.p]
 
     @property
     def case(self) -> Case:
@@ -360,19 +377,6 @@ class Sharer:
 
     def fresh(self) -> Case:
         return Case(self.case.name + "/fresh", "/completion", {**self.body, "cache_prompt": False})
-
-
-def shared_prefix_tokens(client: Client, sharer: Sharer) -> list[int]:
-    """The first P tokens of ``sharer``'s prompt: what an exact phase primes on both servers.
-
-    Priming with the base text instead leaves the base's own last token in the pool's cells when it merges
-    with the question (P is then one less than the base's tokens): the sharer's suffix starts one cell
-    later than in the reference, whose own cache frees that cell and fills it. On the CPU backend the
-    answers agreed all the same; on Vulkan they did not (lavapipe: first-token logprob -0.94116 vs -0.94603
-    with the pool primed with the base, byte-identical with exactly P tokens), so only a prefix of exactly
-    P tokens lays both servers' cells out alike on every backend.
-    """
-    return client.prompt_tokens(sharer.prompt)[: sharer.p]
 
 
 def make_sharers(client: Client, base: str, cfg: GateConfig) -> tuple[list[Sharer], Json]:
@@ -396,7 +400,7 @@ def make_sharers(client: Client, base: str, cfg: GateConfig) -> tuple[list[Share
             "id_slot": slot,
             **samplings[i % len(samplings)],
         }
-        sharers.append(Sharer(i + 1, slot, prompt, p, len(tokens), body))
+        sharers.append(Sharer(i + 1, slot, prompt, p, tokens, body))
     info = {
         "base_chars": len(base),
         "base_tokens_alone": len(base_tokens),
@@ -660,12 +664,11 @@ def _share_hit_alone(
     alone: dict[int, Json] = {}
     for s in together.sharers:
         with servers.start(kind, args, f"share-{kind}-{s.index}") as srv:
-            prefix = shared_prefix_tokens(srv.client, s)
-            srv.client.prime(prefix, POOL_SLOT)
+            srv.client.prime(s.prefix_tokens, POOL_SLOT)
             mine_raw = send(srv.client, s.with_pool())
             mine_fresh = final_of(send(srv.client, s.fresh()), "/completion") if cfg.fresh_info else {}
         with servers.start("upstream", ref_args, f"share-reference-{s.index}") as ref:
-            ref.client.prime(prefix, s.slot)
+            ref.client.prime(s.prefix_tokens, s.slot)
             own_raw = send(ref.client, s.case)
             ref_fresh = final_of(send(ref.client, s.fresh()), "/completion") if cfg.fresh_info else {}
         mine, own = final_of(mine_raw, "/completion"), final_of(own_raw, "/completion")
@@ -801,7 +804,7 @@ def check_auto_share(servers: _Servers) -> CheckResult:
     P the common prefix of the tokenized prompts, and process only the rest. Its answer must be
     byte-identical to a fresh reference server's answer from its own cache after the same priming
     (slot s primed, the same request pinned to s: the same split and cell layout; both primed with the
-    sharer's first P tokens, :func:`shared_prefix_tokens`).
+    sharer's first P tokens, :attr:`Sharer.prefix_tokens`).
     """
     cfg = servers.cfg
     res = CheckResult("auto_share")
@@ -816,14 +819,13 @@ def check_auto_share(servers: _Servers) -> CheckResult:
                 sharers, sinfo = make_sharers(srv.client, base, cfg)
                 res.info.update(sinfo)
             s = sharers[i]
-            prefix = shared_prefix_tokens(srv.client, s)
-            srv.client.prime(prefix, POOL_SLOT)
+            srv.client.prime(s.prefix_tokens, POOL_SLOT)
             plain = {k: v for k, v in s.body.items() if k != "id_slot"}
             mine_raw = send(srv.client, Case(s.case.name + "/auto", "/completion", plain))
         mine = final_of(mine_raw, "/completion")
         slot = mine.get("id_slot", s.slot)
         with servers.start("upstream", ref_args, f"auto-reference-{i + 1}") as ref:
-            ref.client.prime(prefix, slot)
+            ref.client.prime(s.prefix_tokens, slot)
             own_raw = send(ref.client, Case(s.case.name, "/completion", {**s.body, "id_slot": slot}))
         case = _sharer_case(s, _auto_verdict(mine, s), mine_raw, own_raw, "identical_to_reference_own_cache")
         res.cases.append(case)
@@ -916,7 +918,7 @@ def _leader_tokens(client: Client, base: str, sharers: list[Sharer]) -> list[int
     and the answers differed from the second token on while the prompts' cells matched.
     """
     base_tokens = client.prompt_tokens(base)
-    prompts = [client.prompt_tokens(s.prompt) for s in sharers]
+    prompts = [s.tokens for s in sharers]
     p = min(common_prefix_len(base_tokens, t) for t in prompts)
     taken = {t[p] for t in prompts if len(t) > p}
     extra = next(tok for word in LEADER_WORDS for tok in client.tokenize(word)[:1] if tok not in taken)

@@ -911,10 +911,9 @@ def _leader_tokens(client: Client, base: str, sharers: list[Sharer]) -> list[int
     """The exact phase's leader prompt, as tokens: the prefix every sharer's prompt has in common with the base,
     then one token no sharer has there; each sharer's P (set here) is that prefix.
 
-    One token and not more: the reference keeps its own cache by dropping the leader's cells past P, and a hole
-    of up to two cells leaves llama.cpp's cell search where it was (it starts again from cell 0 only when the
-    head is more than twice the batch's tokens past the cells in use), so both servers place every later cell
-    alike. A leader with a whole question of its own put the reference's first generated token into that hole,
+    One token and not more: the other token keeps the sharer from being routed into the leader's slot, and the
+    reference can hold it in a cell of its own between the prefix and the suffix (:func:`_prime_like_the_leader`).
+    A leader with a whole question of its own left a hole the reference filled with its first generated token,
     and the answers differed from the second token on while the prompts' cells matched.
     """
     base_tokens = client.prompt_tokens(base)
@@ -925,6 +924,20 @@ def _leader_tokens(client: Client, base: str, sharers: list[Sharer]) -> list[int
     for s in sharers:
         s.p = p
     return [*base_tokens[:p], extra]
+
+
+def _prime_like_the_leader(client: Client, leader: list[int], slot: int) -> None:
+    """The reference's cells as the patched server holds them when a sharer arrives after ``leader``.
+
+    There the leader's slot keeps all its cells: the common prefix (cells 0..P-1, shared with the sharer) and its
+    one other token (cell P), so the sharer's suffix starts at cell P+1. The reference gets the prefix in ``slot``
+    and then the other token alone in another slot (cell P, moving the cell search past it); the sharer, sent
+    to ``slot``, keeps its P cells and puts its suffix from cell P+1 on too. (Priming ``slot`` with the whole
+    leader would free cell P for the suffix: a one-cell shift that the CPU's attention never showed, but that
+    Vulkan's reductions do, in the last bits.) The other token's cell is masked for the sharer either way.
+    """
+    client.prime(leader[:-1], slot)
+    client.prime(leader[-1:], 0 if slot else 1)
 
 
 def _share_any_args(cfg: GateConfig, *, shared_decode: bool) -> list[str]:
@@ -997,10 +1010,11 @@ def check_share_any(servers: _Servers) -> CheckResult:
     *Exact* (shared decode off, one sharer at a time): per sharer a fresh server gets a leader (the prefix the
     sharers have in common with the base and one other token, nothing generated: :func:`_leader_tokens`), then
     the sharer, plain: it must share exactly its common prefix with the leader's prompt and answer
-    byte-identically to a fresh reference server that computed the same leader prompt in one slot and then got
-    the sharer in that slot (its own cache, the same cells in the same places). One more pair of servers: after
-    the same leader, the first sharer's prompt under another ``cache_salt`` must share nothing, process its
-    whole prompt and answer as the reference does (there: in another slot; :func:`_other_salt`).
+    byte-identically to a fresh reference server that holds the same cells in the same places
+    (:func:`_prime_like_the_leader`) and gets the sharer in the slot holding the prefix (its own cache).
+    One more pair of servers: after the same leader, the first sharer's prompt under another ``cache_salt`` must
+    share nothing, process its whole prompt and answer as the reference does (there: in another slot;
+    :func:`_other_salt`).
     """
     cfg = servers.cfg
     res = CheckResult("share_any")
@@ -1024,7 +1038,7 @@ def check_share_any(servers: _Servers) -> CheckResult:
             srv.client.prime(leader, None)
             mine_raw = send(srv.client, Case(s.case.name + "/plain", "/completion", _plain(s.body)))
         with servers.start("upstream", ref_args, f"share-any-reference-{i + 1}") as ref:
-            ref.client.prime(leader, s.slot)
+            _prime_like_the_leader(ref.client, leader, s.slot)
             own_raw = send(ref.client, s.case)
         exact[s.index] = final_of(mine_raw, "/completion")
         case = _sharer_case(s, _any_verdict(exact[s.index], s.n_prompt, s.p), mine_raw, own_raw,

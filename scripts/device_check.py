@@ -11,11 +11,13 @@ device time per session) cannot fetch the pinned sdist nor fit the 176 MB trees 
   run   (there)  builds both servers with the repository's CMakeLists.txt (POLYKV_SERVERS_ONLY: no patchtool, no
                  Python extension) for the backend (CUDA for sm_90 on 16 cores), writes a random-weight model at
                  the default model's shape with its tokenizer, runs the gate's checks with every layer offloaded
-                 (-ngl 99) and a fan-out of 16 and 32 agents over a ~1,000-token prefix against the stock server
-                 (ratios measured in one run), and writes device_check.json and device_check.md under --out.
+                 (-ngl 99), the backend checks (``polykv_py.harness.backend_checks``: zero-config answers vs the
+                 stock server, pool files from the device to the CPU backend and back) and a fan-out of 16 and 32
+                 agents over a ~1,000-token prefix against the stock server (ratios measured in one run), and
+                 writes device_check.json and device_check.md under --out.
 
-Rehearsed here with ``--backend cpu`` (``tests/integration/test_device_check.py``, slow), so that the first GPU
-run works the first time. On the device, from the repository root:
+Rehearsed here (``tests/integration/test_device_check.py``, slow) with ``--backend vulkan`` on lavapipe in CI, or
+``--backend cpu``, so that the first GPU run works the first time. On the device, from the repository root:
 
     python3 scripts/device_check.py run --out $OUT          # carry: [".device"]
 
@@ -261,6 +263,9 @@ def build(cfg: RunConfig) -> dict[str, Any]:
         defines |= {"GGML_CUDA": "ON", "CMAKE_CUDA_ARCHITECTURES": cfg.cuda_arch}
     elif backend == "vulkan":
         defines["GGML_VULKAN"] = "ON"
+        headers = _vulkan_include_dir(work)
+        if headers:
+            defines["Vulkan_INCLUDE_DIR"] = str(headers)
     build_dir = work / "build"
     configure = ["cmake", "-S", ROOT, "-B", build_dir, "-G", "Ninja", *(f"-D{k}={v}" for k, v in defines.items())]
     env = os.environ | {"CMAKE_BUILD_PARALLEL_LEVEL": str(jobs)}
@@ -273,6 +278,18 @@ def build(cfg: RunConfig) -> dict[str, Any]:
     record["upstream_bin"] = str(native / "bin" / "llama-server-upstream")
     record["build_info"] = json.loads((native / "build_info.json").read_text())
     return record
+
+
+def _vulkan_include_dir(work: Path) -> Path | None:
+    """Headers new enough for the pinned ggml-vulkan where the system's are not (``scripts/vulkan_headers.py``:
+    Debian 13's, fetched with apt by package name); None where the system's will do."""
+    import vulkan_headers  # scripts/, next to this file
+
+    if (vulkan_headers.header_version(Path("/usr/include")) or 0) >= vulkan_headers.MIN_HEADER_VERSION:
+        return None
+    from polykv_py.cache import cache_dir
+
+    return vulkan_headers.fetch_headers(cache_dir() / "vulkan")
 
 
 def _py_env(pack_dir: Path, built: dict[str, Any]) -> dict[str, str]:
@@ -325,6 +342,10 @@ class RunConfig:
     prefix: int = 1000
     gen: int = 64
     n_layer: int | None = None
+    #: the gate's base prompt, sharers and tokens per answer (CI's gate sizes; smaller for a slow backend)
+    base_tokens: int = 800
+    sharers: int = 4
+    n_predict: int = 12
     #: scratch space: the unpacked trees, the build, the model. An ignored folder of the checkout that is not
     #: carried, so a warm device keeps it between two calls (``stage``).
     work: Path = ROOT / ".device-work"
@@ -372,11 +393,18 @@ def check(cfg: RunConfig, report: dict[str, Any], gpu: bool) -> None:
     model = work / "model.gguf"
     report["model"] = {"shape": write_model(cfg.pack_dir, model, n_layer=cfg.n_layer), "bytes": model.stat().st_size}
     env = _py_env(cfg.pack_dir, report["build"])
+    report["devices"] = _devices(report["build"]["patched_bin"], env)
+    if gpu and not report["devices"]:
+        raise RuntimeError(
+            f"the {cfg.backend} build sees no device (llama-server --list-devices: none); for a Vulkan device that "
+            "runs on the CPU (lavapipe: scripts/lavapipe.py) name it: GGML_VK_VISIBLE_DEVICES=0"
+        )
     server_args = "-ngl 99" if gpu else ""
     threads = str(min(cfg.jobs, 8))
     gate_cmd = [
         sys.executable, "-m", "polykv_py.harness.gate", "--model", model, "--report", out / "gate.json",
-        "--threads", threads, "--base-tokens", "800", "--sharers", "4", "--n-predict", "12",
+        "--threads", threads, "--base-tokens", str(cfg.base_tokens), "--sharers", str(cfg.sharers),
+        "--n-predict", str(cfg.n_predict),
         "--server-args", server_args, "--log-dir", work / "gate-logs", "--checks", ",".join(_gate_checks(gpu)),
     ]  # fmt: skip
     try:
@@ -388,6 +416,19 @@ def check(cfg: RunConfig, report: dict[str, Any], gpu: bool) -> None:
         "ok": bool(gate_doc.get("ok")),
         "checks": {k: {"ok": v["ok"], "summary": v["summary"]} for k, v in gate_doc.get("checks", {}).items()},
     }
+    backend_cmd = [
+        sys.executable, "-m", "polykv_py.harness.backend_checks", "--model", model, "--threads", threads,
+        "--server-args", server_args, "--log-dir", work / "backend-logs", "--report", out / "backend_checks.json",
+    ]  # fmt: skip
+    try:
+        report["backend_checks_s"] = _run(backend_cmd, out / "backend_checks.log", env=env)
+    except RuntimeError as exc:
+        report["backend_checks_error"] = str(exc)
+    doc = json.loads((out / "backend_checks.json").read_text()) if (out / "backend_checks.json").is_file() else {}
+    report["backend_checks"] = {
+        "ok": bool(doc.get("ok")),
+        "checks": {k: {"ok": v["ok"], "summary": v["summary"]} for k, v in doc.get("checks", {}).items()},
+    }
     fan_cmd = [
         sys.executable, "-m", "bench.fanout", "--model", model, "--n", *map(str, cfg.agents), "--p", str(cfg.prefix),
         "--gen", str(cfg.gen), "--rounds", "2", "--no-capacity", "--threads", threads,
@@ -395,7 +436,21 @@ def check(cfg: RunConfig, report: dict[str, Any], gpu: bool) -> None:
     ]  # fmt: skip
     report["fanout_s"] = _run(fan_cmd, out / "fanout.log", env=env)
     report["fanout"] = fanout_rows(json.loads((work / "fanout" / "fanout.json").read_text()))
-    report["ok"] = report["gate"]["ok"] and all(r["speedup_vs_best_stock"] for r in report["fanout"])
+    report["ok"] = (
+        report["gate"]["ok"]
+        and report["backend_checks"]["ok"]
+        and all(r["speedup_vs_best_stock"] for r in report["fanout"])
+    )
+
+
+def _devices(server_bin: str, env: dict[str, str]) -> list[str]:
+    """The devices the server's backends see (``--list-devices``), e.g. ``Vulkan0: llvmpipe (...)``."""
+    cmd = [server_bin, "--list-devices"]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, check=False)
+    lines = [line.strip() for line in res.stdout.splitlines()]
+    if "Available devices:" not in lines:
+        return []
+    return [line for line in lines[lines.index("Available devices:") + 1 :] if line and line != "(none)"]
 
 
 def _gate_checks(gpu: bool) -> list[str]:
@@ -432,6 +487,8 @@ def render(report: dict[str, Any]) -> str:
         b = report["build"]
         built = f"configure {b['configure_s']:.0f} s, both servers {b['build_s']:.0f} s ({b['jobs']} jobs)"
         lines += [f"Build: {built}.", ""]
+    if "devices" in report:
+        lines += [f"Devices: {'; '.join(report['devices']) or 'none (the CPU only)'}.", ""]
     if "gate" in report:
         lines += ["| gate check | verdict | summary |", "|---|---|---|"]
         for name, c in report["gate"]["checks"].items():
@@ -449,7 +506,12 @@ def render(report: dict[str, Any]) -> str:
             walls = " | ".join(f"{r['walls_s'][s]:.2f}" if s in r["walls_s"] else "-" for s in systems)
             lines.append(f"| {r['n']} | {r['p']} | {walls} | {r['best_stock']} | {r['speedup_vs_best_stock']}x |")
         lines.append("")
-    for key in ("gate_error", "error"):
+    if "backend_checks" in report:
+        lines += ["| backend check | verdict | summary |", "|---|---|---|"]
+        for name, c in report["backend_checks"]["checks"].items():
+            lines.append(f"| {name} | {'PASS' if c['ok'] else 'FAIL'} | {c['summary']} |")
+        lines.append("")
+    for key in ("gate_error", "backend_checks_error", "error"):
         if key in report:
             lines += [f"**{key}**:", "", "```", report[key][-3000:], "```", ""]
     return "\n".join(lines)
@@ -472,6 +534,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--prefix", type=int, default=1000, help="the shared prefix's tokens (default 1000)")
     r.add_argument("--gen", type=int, default=64, help="tokens each agent generates (default 64)")
     r.add_argument("--layers", type=int, help="fewer layers than the default model's (a quick rehearsal)")
+    r.add_argument("--base-tokens", type=int, default=RunConfig.base_tokens, help="the gate's base prompt")
+    r.add_argument("--sharers", type=int, default=RunConfig.sharers, help="the gate's sharers")
+    r.add_argument("--n-predict", type=int, default=RunConfig.n_predict, help="the gate's tokens per answer")
     r.add_argument("--work", type=Path, default=RunConfig.work, help="scratch folder (default .device-work/)")
     r.add_argument("--stage", choices=("all", "build", "check"), default="all", help="see RunConfig.stage")
     args = ap.parse_args(argv)
@@ -493,6 +558,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             prefix=args.prefix,
             gen=args.gen,
             n_layer=args.layers,
+            base_tokens=args.base_tokens,
+            sharers=args.sharers,
+            n_predict=args.n_predict,
             work=args.work.resolve(),
             stage=args.stage,
         )

@@ -100,27 +100,21 @@ def _os_release() -> dict[str, str]:
     return {k: v.strip('"') for k, _, v in (line.partition("=") for line in lines) if k}
 
 
-def fetch_headers(dest_root: Path) -> Path:
-    """Download the pinned .deb with apt (private state), check its sha256, extract it; the include dir."""
-    version, arch, sha256 = PIN
-    dest = dest_root / f"{PACKAGE}-{version}"
-    include = dest / "usr" / "include"
-    stamp = dest / STAMP
-    if stamp.is_file() and header_version(include):
-        return include
+def fetch_deb(package: str, pin: tuple[str, str, str], suite: str, dest: Path) -> None:
+    """Download ``package`` at ``pin`` (version, architecture, sha256) from ``suite`` of the system's Debian archive
+    with apt and a private apt state (nothing on the system changes, nothing is installed), check its sha256 and
+    extract it into ``dest`` (replaced)."""
+    version, arch, sha256 = pin
     for tool in ("apt-get", "dpkg-deb"):
         if not shutil.which(tool):
-            raise VulkanHeadersError(
-                f"{tool} not found: this script gets Debian's {PACKAGE}; elsewhere install "
-                f"Vulkan headers >= 1.3.{MIN_HEADER_VERSION} (the Vulkan SDK) yourself"
-            )
+            raise VulkanHeadersError(f"{tool} not found: {package} {version} comes from Debian's archive with apt")
     uri, signed_by = archive_source()
     with tempfile.TemporaryDirectory(prefix="polykv-vulkan-") as tmp:
         t = Path(tmp)
         (t / "lists" / "partial").mkdir(parents=True)
         (t / "cache" / "archives" / "partial").mkdir(parents=True)
         opts = f" [signed-by={signed_by}]" if signed_by else ""
-        (t / "sources.list").write_text(f"deb{opts} {uri} {SUITE} main\n")
+        (t / "sources.list").write_text(f"deb{opts} {uri} {suite} main\n")
         apt = [
             "apt-get",
             "-q",
@@ -135,21 +129,32 @@ def fetch_headers(dest_root: Path) -> Path:
             "-o",
             f"APT::Architecture={arch}",
         ]
-        for step in ([*apt, "update"], [*apt, "download", f"{PACKAGE}:{arch}={version}"]):
+        for step in ([*apt, "update"], [*apt, "download", f"{package}:{arch}={version}"]):
             r = subprocess.run(step, cwd=t, capture_output=True, text=True, check=False)
             if r.returncode != 0:
                 raise VulkanHeadersError(
                     f"`{' '.join(step[:2] + step[-2:])}` failed ({r.returncode}):\n{r.stderr.strip()}"
                 )
-        debs = list(t.glob(f"{PACKAGE}_*.deb"))
+        debs = list(t.glob(f"{package}_*.deb"))
         if len(debs) != 1:
-            raise VulkanHeadersError(f"apt left {len(debs)} {PACKAGE} packages in {t}")
+            raise VulkanHeadersError(f"apt left {len(debs)} {package} packages in {t}")
         got = hashlib.sha256(debs[0].read_bytes()).hexdigest()
         if got != sha256:
             raise VulkanHeadersError(f"{debs[0].name}: sha256 {got}, pinned {sha256}")
         shutil.rmtree(dest, ignore_errors=True)
         dest.mkdir(parents=True)
         subprocess.run(["dpkg-deb", "-x", str(debs[0]), str(dest)], check=True)
+
+
+def fetch_headers(dest_root: Path) -> Path:
+    """The pinned headers' include dir under ``dest_root`` (fetched once: :func:`fetch_deb`)."""
+    version, _, sha256 = PIN
+    dest = dest_root / f"{PACKAGE}-{version}"
+    include = dest / "usr" / "include"
+    stamp = dest / STAMP
+    if stamp.is_file() and header_version(include):
+        return include
+    fetch_deb(PACKAGE, PIN, SUITE, dest)
     if header_version(include) is None:
         raise VulkanHeadersError(f"{PACKAGE} {version} has no vulkan/vulkan_core.h")
     stamp.write_text(json.dumps({"package": PACKAGE, "version": version, "sha256": sha256, "suite": SUITE}) + "\n")

@@ -1,12 +1,14 @@
-"""The GPU device check (``scripts/device_check.py``) rehearsed here, with the CPU build in place of CUDA.
+"""The GPU device check (``scripts/device_check.py``) rehearsed here, with the CPU or Vulkan build in place of CUDA.
 
 A lent GPU machine has no network and takes at most 64 MiB of working tree per call, so a session that is lent
 one must be able to pack, carry and run the check the first time. The rehearsal does exactly what the device
-does, with ``--backend cpu``: it packs the pruned trees, the tokenizer and the gguf package, unpacks them into a
-scratch folder, builds both servers from them with the repository's CMakeLists.txt (``POLYKV_SERVERS_ONLY``),
-writes the random-weight model (4 layers here, to keep the rehearsal short), and runs the gate's checks and a
-small fan-out; the report must say ok. The fast tests check the pruning, the model writer and the report's
-ratios without a build.
+does: it packs the pruned trees, the tokenizer and the gguf package, unpacks them into a scratch folder, builds
+both servers from them with the repository's CMakeLists.txt (``POLYKV_SERVERS_ONLY``), writes the random-weight
+model (4 layers here, to keep the rehearsal short), and runs the gate's checks, the backend checks (zero-config
+answers, pool files across backends) and a small fan-out; the report must say ok. The backend is
+``POLYKV_REHEARSAL_BACKEND``: ``cpu`` by default; CI sets ``vulkan`` (``.ci/run`` installs lavapipe, a Vulkan
+device that runs on the CPU), so every CI run builds the Vulkan variant of both servers and gates it with every
+layer offloaded. The fast tests check the pruning, the model writer and the report's ratios without a build.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from polykv_py.models import default_model_path
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.integration
+
+#: The backend the rehearsal builds and checks on (``cpu`` or ``vulkan``).
+REHEARSAL_BACKEND = os.environ.get("POLYKV_REHEARSAL_BACKEND", "cpu")
 
 
 @pytest.fixture(scope="module")
@@ -93,19 +98,28 @@ def test_a_check_without_a_kept_build_says_what_to_run_first(tmp_path: Path) -> 
 
 
 @pytest.mark.slow
-def test_the_rehearsal_builds_both_servers_from_the_pack_and_passes(packed: Path, tmp_path: Path) -> None:
-    """The device's one command, on this machine's CPU: build, model, gate, fan-out; the report says ok."""
+def test_the_rehearsal_builds_both_servers_from_the_pack_and_passes(
+    packed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The device's one command, on this machine: build, model, gate, backend checks, fan-out; the report says ok."""
+    backend = REHEARSAL_BACKEND
+    assert backend in ("cpu", "vulkan"), f"POLYKV_REHEARSAL_BACKEND={backend!r}: cpu or vulkan"
+    if backend == "vulkan":  # ggml-vulkan leaves a CPU-type device (lavapipe) out unless it is named
+        monkeypatch.setenv("GGML_VK_VISIBLE_DEVICES", os.environ.get("GGML_VK_VISIBLE_DEVICES", "0"))
     out = tmp_path / "out"
     report = device_check.run(
         device_check.RunConfig(
             out=out,
             pack_dir=packed,
-            backend="cpu",
+            backend=backend,
             jobs=os.cpu_count() or 2,
             agents=(2, 4),
             prefix=256,
-            gen=16,
+            gen=8,
             n_layer=4,
+            base_tokens=400,
+            sharers=3,
+            n_predict=8,
             work=tmp_path / "work",
         )
     )
@@ -114,8 +128,14 @@ def test_the_rehearsal_builds_both_servers_from_the_pack_and_passes(packed: Path
     info = report["build"]["build_info"]
     assert info["patch_series_sha256"] == patchtool.series_hash()
     assert info["llama_cpp_source"] == str(tmp_path / "work" / "patched")  # built from the pack, not vendor/
-    assert set(report["gate"]["checks"]) >= {"default_output", "share_hit", "fallback_miss", "auto_share"}
+    if backend == "vulkan":
+        assert report["build"]["defines"]["GGML_VULKAN"] == "ON"
+        assert report["devices"] and report["devices"][0].startswith("Vulkan0"), report["devices"]
+    assert set(report["gate"]["checks"]) >= {"default_output", "share_hit", "fallback_miss", "auto_share", "share_any"}
     assert all(c["ok"] for c in report["gate"]["checks"].values()), page
+    assert set(report["backend_checks"]["checks"]) == {"zero_config", "pool_files"}
+    assert all(c["ok"] for c in report["backend_checks"]["checks"].values()), page
+    assert "through openai" in report["backend_checks"]["checks"]["zero_config"]["summary"]
     assert [r["n"] for r in report["fanout"]] == [2, 4]
     assert all(r["speedup_vs_best_stock"] > 0 for r in report["fanout"])
-    assert "| gate check | verdict |" in page and "speedup" in page
+    assert "| gate check | verdict |" in page and "| backend check | verdict |" in page and "speedup" in page

@@ -263,7 +263,7 @@ def build(cfg: RunConfig) -> dict[str, Any]:
         defines |= {"GGML_CUDA": "ON", "CMAKE_CUDA_ARCHITECTURES": cfg.cuda_arch}
     elif backend == "vulkan":
         defines["GGML_VULKAN"] = "ON"
-        headers = _vulkan_include_dir(work)
+        headers = _vulkan_include_dir()
         if headers:
             defines["Vulkan_INCLUDE_DIR"] = str(headers)
     build_dir = work / "build"
@@ -280,7 +280,7 @@ def build(cfg: RunConfig) -> dict[str, Any]:
     return record
 
 
-def _vulkan_include_dir(work: Path) -> Path | None:
+def _vulkan_include_dir() -> Path | None:
     """Headers new enough for the pinned ggml-vulkan where the system's are not (``scripts/vulkan_headers.py``:
     Debian 13's, fetched with apt by package name); None where the system's will do."""
     import vulkan_headers  # scripts/, next to this file
@@ -388,7 +388,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
 
 
 def check(cfg: RunConfig, report: dict[str, Any], gpu: bool) -> None:
-    """The model, the gate and the fan-out on the servers of ``report["build"]``; fills ``report``."""
+    """The model, the gate, the backend checks and the fan-out on the servers of ``report["build"]``; fills
+    ``report``."""
     out, work = cfg.out, cfg.work
     model = work / "model.gguf"
     report["model"] = {"shape": write_model(cfg.pack_dir, model, n_layer=cfg.n_layer), "bytes": model.stat().st_size}
@@ -407,28 +408,12 @@ def check(cfg: RunConfig, report: dict[str, Any], gpu: bool) -> None:
         "--n-predict", str(cfg.n_predict),
         "--server-args", server_args, "--log-dir", work / "gate-logs", "--checks", ",".join(_gate_checks(gpu)),
     ]  # fmt: skip
-    try:
-        report["gate_s"] = _run(gate_cmd, out / "gate.log", env=env)
-    except RuntimeError as exc:
-        report["gate_error"] = str(exc)
-    gate_doc = json.loads((out / "gate.json").read_text()) if (out / "gate.json").is_file() else {}
-    report["gate"] = {
-        "ok": bool(gate_doc.get("ok")),
-        "checks": {k: {"ok": v["ok"], "summary": v["summary"]} for k, v in gate_doc.get("checks", {}).items()},
-    }
+    report["gate"] = _checks_step("gate", gate_cmd, out, env, report)
     backend_cmd = [
         sys.executable, "-m", "polykv_py.harness.backend_checks", "--model", model, "--threads", threads,
         "--server-args", server_args, "--log-dir", work / "backend-logs", "--report", out / "backend_checks.json",
     ]  # fmt: skip
-    try:
-        report["backend_checks_s"] = _run(backend_cmd, out / "backend_checks.log", env=env)
-    except RuntimeError as exc:
-        report["backend_checks_error"] = str(exc)
-    doc = json.loads((out / "backend_checks.json").read_text()) if (out / "backend_checks.json").is_file() else {}
-    report["backend_checks"] = {
-        "ok": bool(doc.get("ok")),
-        "checks": {k: {"ok": v["ok"], "summary": v["summary"]} for k, v in doc.get("checks", {}).items()},
-    }
+    report["backend_checks"] = _checks_step("backend_checks", backend_cmd, out, env, report)
     fan_cmd = [
         sys.executable, "-m", "bench.fanout", "--model", model, "--n", *map(str, cfg.agents), "--p", str(cfg.prefix),
         "--gen", str(cfg.gen), "--rounds", "2", "--no-capacity", "--threads", threads,
@@ -441,6 +426,21 @@ def check(cfg: RunConfig, report: dict[str, Any], gpu: bool) -> None:
         and report["backend_checks"]["ok"]
         and all(r["speedup_vs_best_stock"] for r in report["fanout"])
     )
+
+
+def _checks_step(name: str, cmd: list[Any], out: Path, env: dict[str, str], report: dict[str, Any]) -> dict[str, Any]:
+    """Runs a command that writes ``out/<name>.json`` (``ok`` and ``checks``); its log is ``out/<name>.log``, its
+    wall time ``report[<name>_s]``, a failure's tail ``report[<name>_error]``. Returns ok and each check's verdict."""
+    try:
+        report[f"{name}_s"] = _run(cmd, out / f"{name}.log", env=env)
+    except RuntimeError as exc:
+        report[f"{name}_error"] = str(exc)
+    path = out / f"{name}.json"
+    doc = json.loads(path.read_text()) if path.is_file() else {}
+    return {
+        "ok": bool(doc.get("ok")),
+        "checks": {k: {"ok": v["ok"], "summary": v["summary"]} for k, v in doc.get("checks", {}).items()},
+    }
 
 
 def _devices(server_bin: str, env: dict[str, str]) -> list[str]:

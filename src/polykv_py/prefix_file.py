@@ -214,7 +214,7 @@ def read_prefix_file(
     salted pool (saved by the server under a ``cache_salt``), or a damaged state;
     ``ContextFullError`` if the prefix is longer than ``n_ctx_seq``.
     """
-    header, state = _read_verified(path)
+    header, state = read_verified(path)
     mine, theirs = dict(model), header.get("model")
     if not isinstance(theirs, dict):
         raise StateError(f"{path}: the header names no model")
@@ -265,7 +265,7 @@ def read_prefix_file(
     return tokens, state
 
 
-def _read_verified(path: str | os.PathLike[str]) -> tuple[dict[str, Any], bytes]:
+def read_verified(path: str | os.PathLike[str]) -> tuple[dict[str, Any], bytes]:
     """(header, state) of a file whose MAC the directory's key verifies; nothing is parsed before."""
     p = Path(path)
     key = pool_key(p.parent, create=False)

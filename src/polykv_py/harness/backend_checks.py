@@ -44,6 +44,7 @@ from ..errors import HTTPError
 from ..jsontypes import Json
 from ..llama_server import LlamaServer
 from ..native import ServerKind
+from ..prefix_file import read_verified
 from ..presets import (
     NO_HOST_CACHE,
     UNIFIED_KV,
@@ -118,7 +119,7 @@ def _ask_all(url: str, conversations: list[list[Json]], max_tokens: int) -> tupl
 def check_zero_config(cfg: BackendConfig) -> Json:
     """N plain chat requests at once over one system message: shared on ``--share-any``, answered as the stock
     server answers them."""
-    extra = cfg.server_args
+    extra = cfg.server_args  # patched and reference alike
     srv = serve_server(0, agent_slots=cfg.agents, ctx=CTX, threads=cfg.threads, extra_args=extra, model=cfg.model,
                        log_dir=cfg.log_dir, name="zero-config")  # fmt: skip
     ref = reference_server(model=cfg.model, n_slots=cfg.agents, ctx=CTX, threads=cfg.threads, extra_args=extra,
@@ -153,14 +154,6 @@ def _pool_server(cfg: BackendConfig, save: Path, where: Sequence[str], name: str
             *pool_slot_args([POOL])]  # fmt: skip
     return custom_server(ServerKind.PATCHED, args, extra_args=[*cfg.server_args, *where], threads=cfg.threads,
                          model=cfg.model, log_dir=cfg.log_dir, name=name)  # fmt: skip
-
-
-def _state(raw: bytes) -> bytes:
-    """A pool file's state: what lies between its JSON header and its MAC trailer."""
-    from ..prefix_file import MAC_BYTES, MAGIC
-
-    n = int.from_bytes(raw[len(MAGIC) : len(MAGIC) + 4], "little")
-    return raw[len(MAGIC) + 4 + n : len(raw) - MAC_BYTES]
 
 
 def _shares(c: Client, text: str, question: str, n_pool: int) -> Json:
@@ -205,7 +198,7 @@ def check_pool_files(cfg: BackendConfig) -> Json:
             c.save_pool(POOL, "cpu.pkvpool")
         with _pool_server(cfg, save, [], "pool-files-offloaded-restore").start() as srv, Client(srv.url) as c:
             to_offloaded = _restore_elsewhere(c, save, "cpu.pkvpool", tokens, text, question)
-        same_bits = _state((save / "offloaded.pkvpool").read_bytes()) == _state((save / "cpu.pkvpool").read_bytes())
+        same_bits = read_verified(save / "offloaded.pkvpool")[1] == read_verified(save / "cpu.pkvpool")[1]
     ok = to_cpu["ok"] and to_offloaded["ok"]
     summary = (f"a {len(tokens)}-token pool saved offloaded ({' '.join(cfg.server_args) or 'no flags'}) and restored "
                f"on the CPU backend: {_verdict(to_cpu)}; saved on the CPU and restored offloaded: "

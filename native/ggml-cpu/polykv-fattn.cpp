@@ -74,6 +74,7 @@ struct problem {
     int64_t chunk;        // cells per chunk (multiple of TILE)
     int64_t n_chunks;
     int64_t n_rows_total; // N * n_head * ne3
+    int64_t span_cells;   // a private span's tiles x TILE: the most cells one token can see in it
 };
 
 struct stats_delta {
@@ -119,8 +120,18 @@ static inline int64_t scratch_floats(const problem & p) {
          + round_up(p.N*TILE, a)         // MK: mask values per token and cell
          + 2*round_up(p.N, a)            // cnt, off
          + 5*round_up(max_pairs(p), a)   // a private tile's pairs: cell, row, mask, score, sub
+         + 2*round_up(p.N*p.span_cells, a) // a private span: each token's cells and their mask values
+         + round_up(p.N, a)              // how many each token has
+         + round_up(4*p.span_cells, a)   // one token's scores for 4 of its rows
          + a;                            // alignment of the base
 }
+
+// private tiles computed together (f16 K/V on AVX-512). A token reads its cells all over the span, so the span's
+// K/V stay in L2 while the next span's are requested: 4 tiles measured best on a Zen 4 with cold caches (2 and 3
+// the same within noise, 8 and 16 10-15% slower: fewer cells per pass but more misses). Fewer as N grows, so the
+// span's lists (N x span_cells) stay small.
+static constexpr int64_t SPAN_TILES = 4;
+static inline int64_t span_tiles(int64_t N) { return std::max<int64_t>(1, std::min<int64_t>(SPAN_TILES, 64 / N)); }
 
 static inline int64_t partials_floats(const problem & p) {
     return p.n_chunks * p.n_rows_total * (2 + p.DV);
@@ -229,6 +240,24 @@ static inline void prefetch_rows(const char * base, int64_t c0, int64_t n, size_
         }
     }
 }
+
+// K and V rows of a chunk's cells requested ahead of use, in cell order, each cell once (in a server they come from
+// memory: each layer's weights and the other layers' K/V pass through the caches between two attention nodes)
+struct prefetcher {
+    const char * k, * v;   // the group's first head's rows of cell 0
+    size_t nbk1, nbk2, k_row, nbv1, nbv2, v_row;
+    int64_t hg;
+    int64_t next, end;     // cells [next, end) not requested yet
+    // requests the rows of every cell below c
+    void upto(int64_t c) {
+        c = std::min(c, end);
+        if (c > next) {
+            prefetch_rows(k, next, c - next, nbk1, nbk2, hg, k_row);
+            prefetch_rows(v, next, c - next, nbv1, nbv2, hg, v_row);
+            next = c;
+        }
+    }
+};
 
 // mk[0..n) = the mask row m as f32; n_seen: values not -inf, n_zero: values 0
 static inline void scan_mask(const char * m, float * mk, int64_t n, int32_t & n_seen, int32_t & n_zero) {
@@ -374,6 +403,8 @@ struct scratch {
     int32_t * cnt, * off;
     int32_t * pc, * pr;   // private tile: pair k's cell and row
     float * pm, * psc, * psb; // its mask value, score, and the row's new max
+    int32_t * sc, * sn;   // private span: token i's cells (from sc + i*span_cells, relative to the span), their count
+    float * sm, * ssc;    // their mask values; a token's scores
     float * heads; // HG x head_floats
 };
 
@@ -392,6 +423,10 @@ static scratch carve(const problem & p, float * base) {
     const int64_t np = max_pairs(p);
     s.pc  = (int32_t *) take(np); s.pr = (int32_t *) take(np);
     s.pm  = take(np); s.psc = take(np); s.psb = take(np);
+    s.sc  = (int32_t *) take(p.N*p.span_cells);
+    s.sm  = take(p.N*p.span_cells);
+    s.sn  = (int32_t *) take(p.N);
+    s.ssc = take(4*p.span_cells);
     s.heads = w;
     return s;
 }
@@ -561,33 +596,37 @@ static inline void accumulate_row(float * acc, float ms, const float * Vf, int64
 #endif
 }
 
-#if defined(POLYKV_FA_SIMD) && defined(__AVX512F__)
+#if defined(POLYKV_FA_SIMD) && defined(__AVX512F__) && defined(__AVX512DQ__)
 #define POLYKV_FA_F16_DIRECT 1
-// f16 K and V straight from the cache (a private tile's cells are read by a few rows each: converting them in
-// registers costs less than writing and reading an f32 copy of the tile)
+// Private spans, f16 K and V straight from the cache. A span is up to span_tiles private tiles of one chunk; each
+// token's cells over all of them are listed, then each token's rows are computed over its list at once: one max,
+// one rescale of its accumulators and one pass of exps per span, not per tile (in decode a token sees ~64/N cells
+// of a tile, and that per-pass work cost more than the cells). A private cell is read by a few rows each:
+// converting its f16 rows in registers costs less than writing and reading an f32 copy.
 
-// scores of HN rows of one token (Q rows DK apart) over its cells c[j0 .. j0+4) (K rows f16 at k + cell*nbk1):
-// out[h*ws + j] = q_h . k_j + m[h*ws + j] for j < cn (cn <= 4; the other lanes are computed and dropped)
-template <int HN>
+// scores of HN rows of one token (Q rows DK apart) over its cells c[0 .. cn) (cn <= CN, HN*CN <= 16; K rows f16 at
+// k + cell*nbk1): out[h*ws + j] = q_h . k_j + m[j]
+template <int HN, int CN>
 static inline void score_cells_f16(const float * Q, int64_t DK, const char * k, size_t nbk1, const int32_t * c,
                                    int64_t cn, const float * m, float * out, int64_t ws) {
+    static_assert(HN*CN <= 16, "16 accumulators");
     __m512 acc[16];
     for (int j = 0; j < 16; ++j) {
         acc[j] = _mm512_setzero_ps();
     }
-    const ggml_fp16_t * kr[4];
-    for (int j = 0; j < 4; ++j) {
+    const ggml_fp16_t * kr[CN];
+    for (int j = 0; j < CN; ++j) {
         kr[j] = (const ggml_fp16_t *) (k + c[j < cn ? j : 0]*nbk1);
     }
     for (int64_t d = 0; d < DK; d += 16) {
-        __m512 kv[4];
-        for (int j = 0; j < 4; ++j) {
-            kv[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (kr[j] + d)));
-        }
+        __m512 q[HN];
         for (int h = 0; h < HN; ++h) {
-            const __m512 q = _mm512_loadu_ps(Q + h*DK + d);
-            for (int j = 0; j < 4; ++j) {
-                acc[h*4 + j] = _mm512_fmadd_ps(q, kv[j], acc[h*4 + j]);
+            q[h] = _mm512_loadu_ps(Q + h*DK + d);
+        }
+        for (int j = 0; j < CN; ++j) {
+            const __m512 kv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (kr[j] + d)));
+            for (int h = 0; h < HN; ++h) {
+                acc[h*CN + j] = _mm512_fmadd_ps(q[h], kv, acc[h*CN + j]);
             }
         }
     }
@@ -595,29 +634,51 @@ static inline void score_cells_f16(const float * Q, int64_t DK, const char * k, 
     _mm512_storeu_ps(sums, reduce16(acc));
     for (int h = 0; h < HN; ++h) {
         for (int64_t j = 0; j < cn; ++j) {
-            out[h*ws + j] = sums[h*4 + j] + m[h*ws + j];
+            out[h*ws + j] = sums[h*CN + j] + m[j];
         }
     }
 }
 
-// scores of a token's nr rows over its n cells: out[h*n + j] (pairs in private_pairs' order)
-static inline void score_token_f16(const float * Q, int64_t DK, int64_t nr, const char * k, size_t nbk1,
-                                   const int32_t * c, int64_t n, const float * m, float * out) {
-    for (int64_t h0 = 0; h0 < nr; h0 += 4) {
-        const int64_t hn = std::min<int64_t>(4, nr - h0);
-        for (int64_t j0 = 0; j0 < n; j0 += 4) {
-            const int64_t cn = std::min<int64_t>(4, n - j0);
-            const float * q = Q + h0*DK;
-            const float * mm = m + h0*n + j0;
-            float * o = out + h0*n + j0;
-            switch (hn) {
-                case 1:  score_cells_f16<1>(q, DK, k, nbk1, c + j0, cn, mm, o, n); break;
-                case 2:  score_cells_f16<2>(q, DK, k, nbk1, c + j0, cn, mm, o, n); break;
-                case 3:  score_cells_f16<3>(q, DK, k, nbk1, c + j0, cn, mm, o, n); break;
-                default: score_cells_f16<4>(q, DK, k, nbk1, c + j0, cn, mm, o, n); break;
-            }
-        }
+// scores of HN rows of one token over its n cells: out[h*n + j]
+template <int HN>
+static inline void score_token_f16(const float * Q, int64_t DK, const char * k, size_t nbk1, const int32_t * c,
+                                   int64_t n, const float * m, float * out) {
+    constexpr int CN = 16/HN;
+    for (int64_t j0 = 0; j0 < n; j0 += CN) {
+        score_cells_f16<HN, CN>(Q, DK, k, nbk1, c + j0, std::min<int64_t>(CN, n - j0), m + j0, out + j0, n);
     }
+}
+
+// y[j] = exp(x[j] - sub) for j < n; returns their sum
+static inline float exp_sub_sum(float * y, int64_t n, float sub) {
+    const __m512 vs = _mm512_set1_ps(sub);
+    __m512 sum = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        const __m512 e = ggml_v_expf(_mm512_sub_ps(_mm512_loadu_ps(y + j), vs));
+        _mm512_storeu_ps(y + j, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    if (j < n) {
+        const __mmask16 k = (__mmask16) ((1u << (n - j)) - 1);
+        const __m512 e = ggml_v_expf(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, y + j), vs));
+        _mm512_mask_storeu_ps(y + j, k, e);
+        sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, e));
+    }
+    return _mm512_reduce_add_ps(sum);
+}
+
+// the largest of x[0..n) and init
+static inline float max_of(const float * x, int64_t n, float init) {
+    __m512 mx = _mm512_set1_ps(init);
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        mx = _mm512_max_ps(mx, _mm512_loadu_ps(x + j));
+    }
+    if (j < n) {
+        mx = _mm512_mask_max_ps(mx, (__mmask16) ((1u << (n - j)) - 1), mx, _mm512_maskz_loadu_ps((__mmask16) ((1u << (n - j)) - 1), x + j));
+    }
+    return _mm512_reduce_max_ps(mx);
 }
 
 // rows acc[h*DV + d ..] (h < HN) = acc*ms[h] + sum_j w[h*ws + j] * V row c[j], dims [d, d + 16*NV), V rows f16 at
@@ -652,16 +713,72 @@ static inline void accumulate_rows_f16(float * acc, int64_t DV, const float * ms
     }
 }
 
-// hn <= 4 rows of one token from acc (DV apart), weights w[h*ws + j] over the n cells c (DV a multiple of 32)
-static inline void accumulate_group_f16(float * acc, int64_t DV, int64_t hn, const float * ms, const char * v,
-                                        size_t nbv1, const int32_t * c, const float * w, int64_t ws, int64_t n) {
-    for (int64_t d = 0; d < DV; d += 32) {
-        switch (hn) {
-            case 1:  accumulate_rows_f16<1, 2>(acc, DV, ms, v, nbv1, c, w, ws, n, d); break;
-            case 2:  accumulate_rows_f16<2, 2>(acc, DV, ms, v, nbv1, c, w, ws, n, d); break;
-            case 3:  accumulate_rows_f16<3, 2>(acc, DV, ms, v, nbv1, c, w, ws, n, d); break;
-            default: accumulate_rows_f16<4, 2>(acc, DV, ms, v, nbv1, c, w, ws, n, d); break;
+// HN rows of one token (from row r, Q rows of Qr, accumulators of ACC) over its n cells c with mask values m:
+// scores into sc (HN*n floats), the online softmax's one step, V added (DV a multiple of 32)
+template <int HN>
+static inline void token_rows_f16(const problem & p, const head_state & hs, int64_t r, const char * k, const char * v,
+                                  const int32_t * c, const float * m, int64_t n, float * sc) {
+    score_token_f16<HN>(hs.Qr + r*p.DK, p.DK, k, p.nbk1, c, n, m, sc);
+    float ms[HN];
+    for (int h = 0; h < HN; ++h) {
+        const float Mold = hs.M[r + h];
+        const float Mnew = max_of(sc + h*n, n, Mold); // finite: every listed cell's mask value is
+        ms[h] = Mold == -INFINITY ? 0.0f : (Mold == Mnew ? 1.0f : expf(Mold - Mnew));
+        hs.S[r + h] = hs.S[r + h]*ms[h] + exp_sub_sum(sc + h*n, n, Mnew);
+        hs.M[r + h] = Mnew;
+    }
+    float * acc = hs.ACC + r*p.DV;
+    int64_t d = 0;
+    for (; d + 64 <= p.DV; d += 64) {
+        accumulate_rows_f16<HN, 4>(acc, p.DV, ms, v, p.nbv1, c, sc, n, n, d);
+    }
+    if (d < p.DV) {
+        accumulate_rows_f16<HN, 2>(acc, p.DV, ms, v, p.nbv1, c, sc, n, n, d);
+    }
+}
+
+// adds token i's cells of a private tile (from cell t0, its mask row in s.MK) to the span that starts at cell ts
+static inline void span_add(const problem & p, const scratch & s, int64_t i, int64_t t0, int64_t tn, int64_t ts) {
+    int32_t * c = s.sc + i*p.span_cells + s.sn[i];
+    float   * m = s.sm + i*p.span_cells + s.sn[i];
+    const float * mk = s.MK + i*TILE;
+    const int32_t nl = seen_cells(mk, tn, c);
+    for (int32_t j = 0; j < nl; ++j) {
+        m[j] = mk[c[j]];
+        c[j] += (int32_t) (t0 - ts);
+    }
+    s.sn[i] += nl;
+}
+
+// every KV head of the group over the span's listed cells (K/V of head gl at kbase/vbase + gl*nbk2/nbv2), token by
+// token (a cell's rows of all heads lie together); empties the span. The cells after it are requested meanwhile, a
+// span's worth spread over the tokens, so they arrive while this span is computed.
+static void private_span(const problem & p, const scratch & s, int64_t hg, const char * kbase, const char * vbase,
+                         int64_t ts, int64_t te, prefetcher & pf) {
+    for (int64_t i = 0; i < p.N; ++i) {
+        pf.upto(te + p.span_cells*(i + 1)/p.N);
+        const int64_t n = s.sn[i];
+        if (n == 0) {
+            continue;
         }
+        const int32_t * c = s.sc + i*p.span_cells;
+        const float   * m = s.sm + i*p.span_cells;
+        for (int64_t gl = 0; gl < hg; ++gl) {
+            const head_state hs = head_of(p, s, gl);
+            const char * k = kbase + ts*p.nbk1 + gl*p.nbk2;
+            const char * v = vbase + ts*p.nbv1 + gl*p.nbv2;
+            // the token's rows in groups of 4 (one V row converted once per group)
+            for (int64_t h0 = 0; h0 < p.rk2; h0 += 4) {
+                const int64_t r = i*p.rk2 + h0;
+                switch (std::min<int64_t>(4, p.rk2 - h0)) {
+                    case 1:  token_rows_f16<1>(p, hs, r, k, v, c, m, n, s.ssc); break;
+                    case 2:  token_rows_f16<2>(p, hs, r, k, v, c, m, n, s.ssc); break;
+                    case 3:  token_rows_f16<3>(p, hs, r, k, v, c, m, n, s.ssc); break;
+                    default: token_rows_f16<4>(p, hs, r, k, v, c, m, n, s.ssc); break;
+                }
+            }
+        }
+        s.sn[i] = 0;
     }
 }
 #endif
@@ -696,28 +813,13 @@ static int64_t private_pairs(const problem & p, const scratch & s, int64_t tn) {
     return np;
 }
 
-// where a private tile's K and V rows of one KV head are: f32 rows of the converted tile, or (kraw, vraw not null)
-// the cache's f16 rows of the tile's first cell, a cell's row nbk1 / nbv1 bytes further
-struct tile_rows {
-    const float * Kf, * Vf;
-    const char * kraw, * vraw;
-    size_t nbk1, nbv1;
-};
-
-// one KV head over a private tile's np pairs (private_pairs)
-static void private_tile(const problem & p, const scratch & s, const head_state & hs, const tile_rows & t, int64_t np) {
+// one KV head over a private tile's np pairs (private_pairs), K and V the tile's f32 rows
+static void private_tile(const problem & p, const scratch & s, const head_state & hs, const float * Kf, const float * Vf,
+                         int64_t np) {
     const int64_t DV = p.DV;
     const int64_t npad = round_up(np, PAIR_BATCH);
-#if defined(POLYKV_FA_F16_DIRECT)
-    if (t.kraw) {
-        for (int64_t i = 0; i < p.N; ++i) {
-            const int64_t k0 = s.off[i];
-            score_token_f16(hs.Qr + i*p.rk2*p.DK, p.DK, p.rk2, t.kraw, t.nbk1, s.pc + k0, s.cnt[i], s.pm + k0, s.psc + k0);
-        }
-    } else
-#endif
     for (int64_t k = 0; k < npad; k += PAIR_BATCH) {
-        score_pairs(hs.Qr, t.Kf, p.DK, s.pr + k, s.pc + k, s.pm + k, s.psc + k);
+        score_pairs(hs.Qr, Kf, p.DK, s.pr + k, s.pc + k, s.pm + k, s.psc + k);
     }
     // each row's new max over its cells, set for each of its pairs
     for (int64_t i = 0; i < p.N; ++i) {
@@ -734,8 +836,7 @@ static void private_tile(const problem & p, const scratch & s, const head_state 
             }
         }
     }
-    for (int64_t k = np; k < npad; ++k) { // the padding's scores (not written by score_token_f16) are never read
-        s.psc[k] = 0.0f;
+    for (int64_t k = np; k < npad; ++k) { // the padding's scores are never read
         s.psb[k] = 0.0f;
     }
     exp_sub(s.psc, s.psc, s.psb, npad);
@@ -763,15 +864,9 @@ static void private_tile(const problem & p, const scratch & s, const head_state 
                 hs.M[r] = Mnew;
             }
             float * acc = hs.ACC + (i*p.rk2 + h0)*DV;
-#if defined(POLYKV_FA_F16_DIRECT)
-            if (t.vraw) {
-                accumulate_group_f16(acc, DV, hn, ms, t.vraw, t.nbv1, s.pc + k0, s.psc + k0 + h0*n, n, n);
-                continue;
-            }
-#endif
             for (int64_t h = 0; h < hn; ++h) {
                 const int64_t kh = k0 + (h0 + h)*n;
-                accumulate_row(acc + h*DV, ms[h], t.Vf, DV, s.pc + kh, s.psc + kh, n);
+                accumulate_row(acc + h*DV, ms[h], Vf, DV, s.pc + kh, s.psc + kh, n);
             }
         }
     }
@@ -825,13 +920,28 @@ static void run_item(const problem & p, int64_t item, float * scratch_base, floa
     const char * vbase = p.v + g0*p.nbv2 + ik3*p.nbv3;
     const char * mbase = p.mask + (i3 % p.mask_ne3)*p.nbm3;
 
+#if defined(POLYKV_FA_F16_DIRECT)
+    const bool raw = p.k_kind == KV_F16 && p.v_kind == KV_F16; // private tiles go to spans
+    memset(s.sn, 0, sizeof(int32_t)*N);
+#else
+    const bool raw = false;
+#endif
+    prefetcher pf = { kbase, vbase, p.nbk1, p.nbk2, p.k_row, p.nbv1, p.nbv2, p.v_row, hg, c0, c1 };
+    int64_t span_t0 = -1, span_n = 0, span_te = 0; // the open span's first cell (-1: none), its tiles, its end
+    auto flush = [&]() {
+#if defined(POLYKV_FA_F16_DIRECT)
+        if (span_t0 >= 0) {
+            private_span(p, s, hg, kbase, vbase, span_t0, span_te, pf);
+        }
+#endif
+        span_t0 = -1;
+        span_n  = 0;
+    };
+
     for (int64_t t0 = c0; t0 < c1; t0 += TILE) {
         const int64_t tn = std::min(TILE, c1 - t0);
-        // the next tile's K and V on their way while this one is computed (in a server they come from memory)
-        if (t0 + TILE < c1) {
-            prefetch_rows(kbase, t0 + TILE, std::min(TILE, c1 - t0 - TILE), p.nbk1, p.nbk2, hg, p.k_row);
-            prefetch_rows(vbase, t0 + TILE, std::min(TILE, c1 - t0 - TILE), p.nbv1, p.nbv2, hg, p.v_row);
-        }
+        // the next tile's K and V on their way while this one is computed
+        pf.upto(t0 + 2*TILE);
 
         // mask values of the tile per token (once for all KV heads), how many cells each token sees, and
         // whether every value is 0 (the usual shared tile: then the scores need no mask)
@@ -862,6 +972,7 @@ static void run_item(const problem & p, int64_t item, float * scratch_base, floa
 
         if (4*seen >= N*tn) {
             // shared tile: all rows of each KV head at once
+            flush();
             st.shared += hg;
             convert();
             const bool unmasked = zeros == N*tn;
@@ -883,27 +994,34 @@ static void run_item(const problem & p, int64_t item, float * scratch_base, floa
                 shared_tile(p, s, head_of(p, s, gl), s.Kf + gl*TILE*DK, s.Vf + gl*TILE*DV, tn, unmasked);
             }
         } else {
-            // private tile: each token's rows over the cells that token sees, as (row, cell) pairs
+            // private tile: each token's rows over the cells that token sees
             st.priv += hg;
-            const int64_t np = private_pairs(p, s, tn);
 #if defined(POLYKV_FA_F16_DIRECT)
-            const bool raw = p.k_kind == KV_F16 && p.v_kind == KV_F16;
-#else
-            const bool raw = false;
-#endif
-            if (!raw) {
-                convert();
-            }
-            for (int64_t gl = 0; gl < hg; ++gl) {
-                tile_rows t = { s.Kf + gl*TILE*DK, s.Vf + gl*TILE*DV, nullptr, nullptr, p.nbk1, p.nbv1 };
-                if (raw) {
-                    t.kraw = kbase + t0*p.nbk1 + gl*p.nbk2;
-                    t.vraw = vbase + t0*p.nbv1 + gl*p.nbv2;
+            if (raw) {
+                if (span_t0 < 0) {
+                    span_t0 = t0;
                 }
-                private_tile(p, s, head_of(p, s, gl), t, np);
+                for (int64_t i = 0; i < N; ++i) {
+                    if (s.cnt[i] > 0) {
+                        span_add(p, s, i, t0, tn, span_t0);
+                    }
+                }
+                span_te = t0 + tn;
+                if (++span_n == span_tiles(N)) {
+                    flush();
+                }
+                continue;
+            }
+#endif
+            // as (row, cell) pairs of the tile's f32 rows
+            const int64_t np = private_pairs(p, s, tn);
+            convert();
+            for (int64_t gl = 0; gl < hg; ++gl) {
+                private_tile(p, s, head_of(p, s, gl), s.Kf + gl*TILE*DK, s.Vf + gl*TILE*DV, np);
             }
         }
     }
+    flush();
 
     // partials of this chunk: [M, S, ACC] per row
     for (int64_t gl = 0; gl < hg; ++gl) {
@@ -1033,6 +1151,7 @@ static bool describe(const ggml_tensor * dst, int nth, problem & p) {
     p.Rg = N*p.rk2;
     p.Rp = round_up(p.Rg, RPAD);
     p.n_rows_total = N*p.n_head*p.ne3;
+    p.span_cells = span_tiles(N)*TILE;
     set_chunking(p, nth);
     return true;
 }

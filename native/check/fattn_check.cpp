@@ -62,12 +62,12 @@ struct cpu_switch {
 };
 
 struct test_case {
-    std::string layout;  // prefix | random | holes | causal
+    std::string layout;  // prefix | random | holes | causal | agents
     int DK, DV, n_head, n_head_kv, N, n_kv, threads;
     ggml_type kv_type;
     uint32_t seed;
     std::string decline = ""; // a node the path must leave to upstream: softcap | alibi | kv_type | rows
-    int n_priv = -1;          // "prefix"/"holes": private cells after the prefix (-1: a quarter of n_kv)
+    int n_priv = -1;          // "prefix"/"holes"/"agents": cells after the prefix (-1: a quarter of n_kv)
     bool sinks = false;       // an attention sink per query head (gpt-oss): a logit in every row's softmax
 };
 
@@ -104,6 +104,30 @@ std::vector<uint8_t> make_mask(const test_case & tc, std::mt19937 & rng) {
     }
     for (int c = P; c < tc.n_kv; ++c) {
         at((c - P) % tc.N, c) = 1;
+    }
+    if (tc.layout == "agents") {
+        // the server's layout in decode: after the prefix each token's own prompt suffix (a block of cells only it
+        // sees), a stretch nobody sees (another slot's freed cells), then the generated cells interleaved, the
+        // tokens finishing one by one (token i after 20 + 9i steps), the rest unused
+        for (int c = P; c < tc.n_kv; ++c) {
+            for (int i = 0; i < tc.N; ++i) {
+                at(i, c) = 0;
+            }
+        }
+        int c = P;
+        for (int i = 0; i < tc.N; ++i) {
+            for (int j = 0; j < 40 + (37*i) % 60 && c < tc.n_kv; ++j) {
+                at(i, c++) = 1;
+            }
+        }
+        c += 150;
+        for (int step = 0; step < 20 + 9*tc.N; ++step) {
+            for (int i = 0; i < tc.N && c < tc.n_kv; ++i) {
+                if (step < 20 + 9*i) {
+                    at(i, c++) = 1;
+                }
+            }
+        }
     }
     if (tc.layout == "holes") {
         // two whole tiles nobody sees (another slot's cells), a stretch only token 0 sees,
@@ -521,6 +545,12 @@ int main(int argc, char ** argv) {
     // the shape: the default model's heads over a 4k prefix, 16 agents, 2 threads
     cases.push_back({ "prefix", 64, 64, 9, 3, 16, 4096 + 512, 2, GGML_TYPE_F16, seed++ });
     cases.push_back({ "prefix", 64, 64, 9, 3, 2, 300, 2, GGML_TYPE_F16, seed++ });
+    // the server's decode layout (own suffixes, another slot's freed cells, tokens finishing): private spans across
+    // skipped tiles, tiles one token sees whole; f16 (spans on AVX-512), q8_0 (pairs), one-tile spans (N = 33), sinks
+    cases.push_back({ "agents", 64, 64, 9, 3, 16, 4096, 2, GGML_TYPE_F16, seed++, "", 2500 });
+    cases.push_back({ "agents", 128, 128, 16, 2, 5, 1500, 3, GGML_TYPE_Q8_0, seed++, "", 900 });
+    cases.push_back({ "agents", 64, 64, 4, 4, 33, 5000, 2, GGML_TYPE_F16, seed++, "", 4000 });
+    cases.push_back({ "agents", 64, 64, 8, 2, 16, 2000, 2, GGML_TYPE_F16, seed++, "", 1200, true });
     // multi-query (Falcon 7B: 71 query heads on one KV head): a token's rows in groups of 4, the last of 3
     cases.push_back({ "holes", 64, 64, 71, 1, 16, 700, 2, GGML_TYPE_F16, seed++ });
     // prompt batches of 64-511 rows: 8 agents' turns over a shared prefix and their transcripts, and one

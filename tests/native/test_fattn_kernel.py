@@ -2,7 +2,8 @@
 
 ``polykv-fattn-check`` (built from native/check/fattn_check.cpp with the wheel) computes
 flash-attention nodes shaped like llama.cpp's decode graph on random Q/K/V and masks (a shared
-prefix with interleaved private cells, whole tiles nobody sees, random masks), with GQA ratios
+prefix with interleaved private cells, whole tiles nobody sees, random masks, the server's decode layout with
+each agent's own suffix and agents finishing one by one), with GQA ratios
 1/3/8, head sizes 64/128, f16 and q8_0 KV and 1-3 threads, once with the path off (upstream's
 kernel) and once on, against a double-precision reference; on x86-64 also the same computation
 compiled for AVX2 and without SIMD; also prompt batches of 64-511 rows (several agents' turns, one
@@ -98,8 +99,10 @@ def test_avx2_and_scalar_builds_agree(cases: list[dict[str, Any]]) -> None:
 
 
 def test_shared_private_and_masked_tiles_are_all_exercised(cases: list[dict[str, Any]]) -> None:
-    by = {layout: [c for c in cases if c["layout"] == layout] for layout in ("prefix", "holes", "random")}
-    assert all(c["tiles_skipped"] > 0 for c in by["holes"])  # whole tiles nobody sees are skipped
+    by = {layout: [c for c in cases if c["layout"] == layout] for layout in ("prefix", "holes", "random", "agents")}
+    assert all(c["tiles_skipped"] > 0 for c in by["holes"] + by["agents"])  # whole tiles nobody sees are skipped
+    # the server's decode layout: private tiles (spans of several on AVX-512 with f16 KV) around skipped ones
+    assert len(by["agents"]) >= 4 and all(c["tiles_private"] > 0 for c in by["agents"])
     assert all(c["tiles_shared"] > 0 for c in cases)
     # private cells interleaved one per agent: private tiles (scored as (row, cell) pairs) from 16 agents on
     assert all(c["tiles_private"] > 0 for c in by["prefix"] + by["holes"] if c["N"] >= 16)
@@ -111,7 +114,7 @@ def test_shared_private_and_masked_tiles_are_all_exercised(cases: list[dict[str,
     assert {c["kv_type"] for c in cases} == {"f16", "q8_0"}
     # sinks in decode and prompt batches, over f16 and q8_0 KV
     with_sinks = [c for c in cases if c["sinks"]]
-    assert {c["layout"] for c in with_sinks} == {"prefix", "holes", "random", "causal"}
+    assert {c["layout"] for c in with_sinks} == {"prefix", "holes", "random", "causal", "agents"}
     assert {c["kv_type"] for c in with_sinks} == {"f16", "q8_0"}
 
 

@@ -7,8 +7,9 @@
 //     Kf [T x DK], Vf [T x DV]   the tile's K and V rows as f32, converted once for all rows
 //     shared tile (most rows see most cells): ST[T x Rp] = mask + Kf * QT (a GEMM), the online
 //       softmax runs along the cells for all rows at once (vector over rows), ACC += P^T * Vf
-//     private tile (each cell seen by few rows): (row, cell) pairs, each token's rows over only the cells it
-//       sees; on AVX-512 with f16 K/V the rows read the cache's f16 rows directly (no f32 copy of the tile)
+//     private tile (each cell seen by few rows): each token's rows over only the cells it sees; on AVX-512
+//       with f16 K/V up to 4 private tiles form a span, computed token by token from the cache's f16 rows (no
+//       f32 copy), elsewhere the tile's f32 rows as (row, cell) pairs
 //   the chunk's (M, S, ACC) per row go to a partials buffer; after a barrier each row's chunks
 //   are merged in chunk order (log-sum-exp) and written to dst: the result does not depend on
 //   which thread took which chunk. An attention sink (gpt-oss: a learned logit per query head) joins
@@ -486,11 +487,11 @@ static void shared_tile(const problem & p, const scratch & s, const head_state &
 }
 
 // ---------------------------------------------------------------------------- private tiles
-// A private tile's work is a list of (row, cell) pairs, row by row: token i's rk2 rows, each over the cells
-// token i sees (in decode, about 64/N cells of a tile per token). On AVX-512 with f16 K and V, a token's rows
-// are scored 4 cells at a time from the cache's f16 rows (16 accumulators, one transposed reduction) and each
-// V row is added into all of the token's rows at once; elsewhere the f32 tile is scored PAIR_BATCH pairs at a
-// time and V added row by row. The exps are one vector pass over the tile's pairs either way.
+// A private tile's work is token i's rk2 rows, each over the cells token i sees (in decode, about 64/N cells of
+// a tile per token). On AVX-512 with f16 K and V, private spans (below): a token's rows scored 16/rows cells at
+// a time from the cache's f16 rows (16 accumulators, one transposed reduction), each V row added into all of
+// the token's rows at once. Elsewhere a list of (row, cell) pairs, row by row: the f32 tile scored PAIR_BATCH
+// pairs at a time, the exps one vector pass over the tile's pairs, V added row by row.
 
 #if defined(POLYKV_FA_SIMD) && defined(__AVX512F__)
 // one vector of the 16 accumulators' sums, in order (halves, quarters, then pairs and lanes of each 128 bits)

@@ -677,16 +677,17 @@ static inline float max_of(const float * x, int64_t n, float init) {
         mx = _mm512_max_ps(mx, _mm512_loadu_ps(x + j));
     }
     if (j < n) {
-        mx = _mm512_mask_max_ps(mx, (__mmask16) ((1u << (n - j)) - 1), mx, _mm512_maskz_loadu_ps((__mmask16) ((1u << (n - j)) - 1), x + j));
+        const __mmask16 k = (__mmask16) ((1u << (n - j)) - 1);
+        mx = _mm512_mask_max_ps(mx, k, mx, _mm512_maskz_loadu_ps(k, x + j));
     }
     return _mm512_reduce_max_ps(mx);
 }
 
-// rows acc[h*DV + d ..] (h < HN) = acc*ms[h] + sum_j w[h*ws + j] * V row c[j], dims [d, d + 16*NV), V rows f16 at
+// rows acc[h*DV + d ..] (h < HN) = acc*ms[h] + sum_j w[h*n + j] * V row c[j], dims [d, d + 16*NV), V rows f16 at
 // v + cell*nbv1: the rows of one token read the same cells, so each V row is converted once for all of them
 template <int HN, int NV>
 static inline void accumulate_rows_f16(float * acc, int64_t DV, const float * ms, const char * v, size_t nbv1,
-                                       const int32_t * c, const float * w, int64_t ws, int64_t n, int64_t d) {
+                                       const int32_t * c, const float * w, int64_t n, int64_t d) {
     __m512 a[HN][NV];
     for (int h = 0; h < HN; ++h) {
         const __m512 m = _mm512_set1_ps(ms[h]);
@@ -701,7 +702,7 @@ static inline void accumulate_rows_f16(float * acc, int64_t DV, const float * ms
             x[r] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (row + 16*r)));
         }
         for (int h = 0; h < HN; ++h) {
-            const __m512 wj = _mm512_set1_ps(w[h*ws + j]);
+            const __m512 wj = _mm512_set1_ps(w[h*n + j]);
             for (int r = 0; r < NV; ++r) {
                 a[h][r] = _mm512_fmadd_ps(x[r], wj, a[h][r]);
             }
@@ -731,10 +732,10 @@ static inline void token_rows_f16(const problem & p, const head_state & hs, int6
     float * acc = hs.ACC + r*p.DV;
     int64_t d = 0;
     for (; d + 64 <= p.DV; d += 64) {
-        accumulate_rows_f16<HN, 4>(acc, p.DV, ms, v, p.nbv1, c, sc, n, n, d);
+        accumulate_rows_f16<HN, 4>(acc, p.DV, ms, v, p.nbv1, c, sc, n, d);
     }
     if (d < p.DV) {
-        accumulate_rows_f16<HN, 2>(acc, p.DV, ms, v, p.nbv1, c, sc, n, n, d);
+        accumulate_rows_f16<HN, 2>(acc, p.DV, ms, v, p.nbv1, c, sc, n, d);
     }
 }
 
@@ -924,8 +925,6 @@ static void run_item(const problem & p, int64_t item, float * scratch_base, floa
 #if defined(POLYKV_FA_F16_DIRECT)
     const bool raw = p.k_kind == KV_F16 && p.v_kind == KV_F16; // private tiles go to spans
     memset(s.sn, 0, sizeof(int32_t)*N);
-#else
-    const bool raw = false;
 #endif
     prefetcher pf = { kbase, vbase, p.nbk1, p.nbk2, p.k_row, p.nbv1, p.nbv2, p.v_row, hg, c0, c1 };
     int64_t span_t0 = -1, span_n = 0, span_te = 0; // the open span's first cell (-1: none), its tiles, its end
@@ -1008,7 +1007,7 @@ static void run_item(const problem & p, int64_t item, float * scratch_base, floa
                     }
                 }
                 span_te = t0 + tn;
-                if (++span_n == span_tiles(N)) {
+                if (++span_n*TILE == p.span_cells) {
                     flush();
                 }
                 continue;

@@ -167,9 +167,10 @@ def run_grid(
     out_dir: Path = RESULTS / "decode",
     say: Callable[[str], None] = log.info,
 ) -> dict[str, Any]:
-    """Every (P, N, G) step cell and the long-answer fan-out, each system on a fresh server, off then on; the
-    kernel's node rate and the FP32 peak at the start and the end (:mod:`bench.roofline`); the exactness of one
-    fixed batch at the largest P and N, compared over each G of ``exact`` (default: every G; ``[]``: none)."""
+    """Every (P, N, G) step cell in ``repeat`` rounds and the long-answer fan-out once, each system on a fresh server,
+    off then on; the kernel's node rate and the FP32 peak at the start and the end (:mod:`bench.roofline`); the
+    exactness of one fixed batch at the largest P and N, compared over each G of ``exact`` (default: every G;
+    ``[]``: none)."""
     gens = [gen] if isinstance(gen, int) else list(gen)
     cells = [DecodeCell(p, n, g) for g in gens for p in ps for n in ns]
     if fanout:
@@ -197,20 +198,19 @@ def run_grid(
     for cell in cells:
         if cell.p not in bases:
             bases[cell.p] = base_for(cell.p, model)
-        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in DECODE_SYSTEMS}
-        for _ in range(repeat if cell.kind == "step" else 1):  # off and on alternate, a fresh server each
+    # rounds: every step cell once per round (off and on alternate, a fresh server each), so the host's drift
+    # over the run falls on every cell alike and the roofline can take its pools' difference round by round
+    runs: dict[DecodeCell, dict[str, list[dict[str, Any]]]] = {c: {name: [] for name in DECODE_SYSTEMS} for c in cells}
+    for r in range(repeat):
+        for cell in cells:
+            if cell.kind != "step" and r > 0:
+                continue
             for system in DECODE_SYSTEMS.values():
-                say(f"decode: {system.name} {cell.kind} P={cell.p} N={cell.n} G={cell.gen} ...")
+                say(f"decode: round {r + 1}/{repeat}: {system.name} {cell.kind} P={cell.p} N={cell.n} G={cell.gen} ...")
                 res = run_cell(system, cell, bases[cell.p], threads=threads, model=model)
                 say(f"decode: {system.name}: step {res['step_ms']} ms, wall {res['wall_s']} s")
-                runs[system.name].append(res)
-        for rs in runs.values():
-            first = dict(rs[0])
-            first["step_ms_runs"] = [r["step_ms"] for r in rs]
-            first["wall_s_runs"] = [r["wall_s"] for r in rs]
-            first["step_ms"] = round(median(first["step_ms_runs"]), 2)
-            first["wall_s"] = round(median(first["wall_s_runs"]), 3)
-            doc["cells"].append(first)
+                runs[cell][system.name].append(res)
+        doc["cells"] = [merged(rs) for by_system in runs.values() for rs in by_system.values() if rs]
         write(doc, out_dir)
     if engine:
         cell = DecodeCell(engine[0], engine[1], gens[0], "engine")
@@ -234,6 +234,16 @@ def run_grid(
     doc["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     write(doc, out_dir)
     return doc
+
+
+def merged(rs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One system's runs of a cell as one cell: the first run's answers, the median step and wall, every run's."""
+    first = dict(rs[0])
+    first["step_ms_runs"] = [r["step_ms"] for r in rs]
+    first["wall_s_runs"] = [r["wall_s"] for r in rs]
+    first["step_ms"] = round(median(first["step_ms_runs"]), 2)
+    first["wall_s"] = round(median(first["wall_s_runs"]), 3)
+    return first
 
 
 def pairs(doc: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
@@ -308,7 +318,8 @@ def roofline_markdown(doc: dict[str, Any]) -> list[str]:
     roof = doc.get("roofline") or []
     if roof:
         lines += [
-            "In the server: the step at the larger P minus the step at the smaller P (same N and G) is the extra "
+            "In the server: the step at the larger P minus the step at the smaller P (same N and G; the median of "
+            "the rounds' differences, each round running every cell once) is the extra "
             "cells' attention and whatever else grows with P; GFLOP counts the attention alone (per token, cell and "
             "query head a dot product and an axpy, every layer). Peak: the higher of the run's two readings. Cold "
             "nodes: what the same extra cells cost in one cold node per layer (the two cold nodes' difference per "
@@ -322,7 +333,9 @@ def roofline_markdown(doc: dict[str, Any]) -> list[str]:
                         r["n"],
                         r["gen"],
                         f"{r['p_lo']:,} -> {r['p_hi']:,}",
-                        r["extra_ms"],
+                        f"{r['extra_ms']} ({', '.join(map(str, r['extra_ms_runs']))})"
+                        if r.get("extra_ms_runs")
+                        else r["extra_ms"],
                         r.get("nodes_ms"),
                         r["gflop"],
                         r["gflops"],
@@ -351,8 +364,8 @@ def markdown(doc: dict[str, Any]) -> str:
         + ".",
         "Every agent shares the pool (status hit); all N decode together. Step: the server's "
         "predicted_per_token_ms, median over the agents; each step cell ran "
-        f"{doc['config'].get('repeat', 1)} times per system on fresh servers, off and on alternating "
-        "(median of the runs). Same answers: greedy texts equal with the path off and on (first run); "
+        f"{doc['config'].get('repeat', 1)} times per system on fresh servers, off and on alternating, in rounds of "
+        "every cell (median of the runs). Same answers: greedy texts equal with the path off and on (first run); "
         "a flip is a near tie, as with another cell layout (tests/integration/test_shared_decode.py).",
         "",
     ]
@@ -521,7 +534,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         nargs="*",
         help="G of the exactness pass (one fixed batch at the largest P and N; default: every --gen; none: skip)",
     )
-    ap.add_argument("--repeat", type=int, default=3, help="runs per system of each step cell, median (default 3)")
+    ap.add_argument(
+        "--repeat", type=int, default=3, help="rounds: runs per system of each step cell, median (default 3)"
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", "-m")
     ap.add_argument("--out", type=Path, default=RESULTS / "decode")

@@ -15,6 +15,7 @@ import json
 import logging
 import subprocess
 from dataclasses import dataclass
+from statistics import median
 from typing import Any
 
 from polykv_py.models import resolve_model
@@ -102,21 +103,32 @@ def node_prediction(doc: dict[str, Any], shape: AttentionShape, system: str, n: 
     return round(sorted(per_cell)[len(per_cell) // 2] * cells * shape.n_layer, 2)
 
 
+def round_differences(lo: dict[str, Any], hi: dict[str, Any]) -> list[float]:
+    """The larger pool's step minus the smaller's, round by round (:func:`bench.decode.run_grid` runs every cell once
+    per round, so the host's drift cancels); empty unless both cells have the same number of runs, at least 2."""
+    a, b = lo.get("step_ms_runs") or [], hi.get("step_ms_runs") or []
+    if len(a) != len(b) or len(a) < 2:
+        return []
+    return [y - x for x, y in zip(a, b, strict=True)]
+
+
 def rows(doc: dict[str, Any], shape: AttentionShape) -> list[dict[str, Any]]:
     """For each (N, G) with two pools, the extra cells' attention rate in the server with the path on and off,
-    against the FP32 peak the run measured (the higher of its readings: a lower one is the machine disturbed)."""
+    against the FP32 peak the run measured (the higher of its readings: a lower one is the machine disturbed). The
+    extra time is the median of the rounds' differences where the run has them, else the medians' difference."""
     peaks = [k["fma_peak_gflops"] for k in doc.get("kernel", []) if k.get("fma_peak_gflops", 0) > 0]
     peak = max(peaks) if peaks else None
-    steps: dict[tuple[str, int, int], dict[int, float]] = {}
+    steps: dict[tuple[str, int, int], dict[int, dict[str, Any]]] = {}
     for c in doc["cells"]:
         if c["kind"] == "step":
-            steps.setdefault((c["system"], c["n"], c["gen"]), {})[c["p"]] = c["step_ms"]
+            steps.setdefault((c["system"], c["n"], c["gen"]), {})[c["p"]] = c
     out = []
     for (system, n, gen), by_p in sorted(steps.items()):
         if len(by_p) < 2:
             continue
         p_lo, p_hi = min(by_p), max(by_p)
-        extra_ms = by_p[p_hi] - by_p[p_lo]
+        extra_runs = round_differences(by_p[p_lo], by_p[p_hi])
+        extra_ms = median(extra_runs) if extra_runs else by_p[p_hi]["step_ms"] - by_p[p_lo]["step_ms"]
         gflop = shape.gflop(p_hi - p_lo, n)
         rate = gflop / (extra_ms / 1e3) if extra_ms > 0 else None
         out.append(
@@ -127,6 +139,7 @@ def rows(doc: dict[str, Any], shape: AttentionShape) -> list[dict[str, Any]]:
                 "p_lo": p_lo,
                 "p_hi": p_hi,
                 "extra_ms": round(extra_ms, 2),
+                "extra_ms_runs": [round(x, 2) for x in extra_runs],
                 "gflop": round(gflop, 3),
                 "gflops": None if rate is None else round(rate, 1),
                 "peak_gflops": peak,

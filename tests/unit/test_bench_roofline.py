@@ -90,3 +90,16 @@ def test_no_node_prediction_without_cold_readings_or_for_another_n() -> None:
     for k in doc["kernel"]:
         k.update({"N": 16, "n_kv": 4096, "cold": {"cells": [256, 4096], "ms_on": [0.4, 1.2], "ms_off": [1.0, 7.0]}})
     assert rows(doc, DEFAULT_SHAPE)[0]["nodes_ms"] is None
+
+
+def test_extra_time_is_the_median_of_the_rounds_differences() -> None:
+    # the host slowed down over rounds 2 and 3: the medians' difference (80 - 60) hides what each round measured
+    lo, hi = _cell("shared_decode", 256, 60.0), _cell("shared_decode", 4096, 80.0)
+    lo["step_ms_runs"], hi["step_ms_runs"] = [50.0, 70.0, 60.0], [75.0, 95.0, 80.0]
+    (r,) = rows(_doc([lo, hi]), DEFAULT_SHAPE)
+    assert r["extra_ms_runs"] == [25.0, 25.0, 20.0] and r["extra_ms"] == 25.0
+    assert "| 25.0 (25.0, 25.0, 20.0) |" in "\n".join(decode.roofline_markdown({**_doc([lo, hi]), "roofline": [r]}))
+    # runs that cannot be paired (another count): the medians' difference
+    hi["step_ms_runs"] = [75.0, 95.0]
+    (r,) = rows(_doc([lo, hi]), DEFAULT_SHAPE)
+    assert r["extra_ms_runs"] == [] and r["extra_ms"] == 20.0

@@ -980,10 +980,13 @@ static void run_item(const problem & p, int64_t item, float * scratch_base, floa
             zeros += n_zero;
         }
         // the next tile's K and V on their way while this one is computed: dripped by a shared tile's GEMMs
+        const bool shared = seen > 0 && 4*seen >= N*tn;
         pf.goal = t0 + 2*TILE;
+        if (!shared) {
+            pf.upto(pf.goal);
+        }
         if (seen == 0) {
             st.skipped += hg;
-            pf.upto(pf.goal);
             continue;
         }
 
@@ -999,7 +1002,7 @@ static void run_item(const problem & p, int64_t item, float * scratch_base, floa
             }
         };
 
-        if (4*seen >= N*tn) {
+        if (shared) {
             // shared tile: all rows of each KV head at once
             flush();
             st.shared += hg;
@@ -1024,7 +1027,6 @@ static void run_item(const problem & p, int64_t item, float * scratch_base, floa
             }
             pf.upto(pf.goal);
         } else {
-            pf.upto(pf.goal);
             // private tile: each token's rows over the cells that token sees
             st.priv += hg;
 #if defined(POLYKV_FA_F16_DIRECT)

@@ -59,5 +59,7 @@ target_include_directories(server-context PUBLIC "${POLYKV_NATIVE_DIR}/server" "
 polykv_require_target(ggml-cpu)
 target_sources(ggml-cpu PRIVATE
     "${POLYKV_NATIVE_DIR}/ggml-cpu/polykv-fattn.cpp"
-    "${POLYKV_NATIVE_DIR}/ggml-cpu/polykv-fattn.h")
+    "${POLYKV_NATIVE_DIR}/ggml-cpu/polykv-fattn.h"
+    "${POLYKV_NATIVE_DIR}/ggml-cpu/polykv-mm.cpp"
+    "${POLYKV_NATIVE_DIR}/ggml-cpu/polykv-mm.h")
 target_include_directories(ggml-cpu PRIVATE "${POLYKV_NATIVE_DIR}/ggml-cpu")

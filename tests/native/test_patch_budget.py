@@ -4,8 +4,9 @@ A patch adds call sites, request fields and build lines; the code they call live
 budget is a ratchet at what the series adds today (measured here, 2026-12-06: 225 non-blank added lines,
 127 of them in ``tools/server/server-context.cpp`` since the hooks' bodies moved to
 ``native/server/server-polykv-slots.cpp`` behind one ``polykv_slot`` member per slot, 6 in ``common/arg.cpp``,
-the largest hunk 11 lines; issue 40 aimed at ~330 and ~15): a change that adds more fails here, and a change
-that moves code out lowers the numbers below.
+the largest hunk 11 lines; issue 40 aimed at ~330 and ~15), plus 5 for 0079's one call site in ggml-cpu.c (the
+Q4_1 register tiles, 2026-12-07): a change that adds more fails here, and a change that moves code out lowers the
+numbers below.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 import patchtool  # scripts/, on sys.path through pytest's pythonpath option (pyproject.toml)
 
 #: Non-blank lines the whole series may add to upstream's files.
-TOTAL_BUDGET = 225
+TOTAL_BUDGET = 230
 #: ... to any one upstream file.
 FILE_BUDGET = {"tools/server/server-context.cpp": 127, "common/arg.cpp": 6}
 #: ... in any one hunk.

@@ -37,7 +37,9 @@ struct node {
 
 // weights N(0, 1) plus a per-row offset (so the Q4_1 minimum matters), activations N(0, 1)
 void make_node(node & nd, int64_t R, int64_t K, int64_t C, std::mt19937 & rng) {
-    const size_t mem = ggml_row_size(GGML_TYPE_Q4_1, K) * R + sizeof(float) * (K * C + R * C) + 16 * 1024 * 1024;
+    // the tensors and the graph (the work buffer is compute()'s own)
+    const size_t mem = ggml_row_size(GGML_TYPE_Q4_1, K) * R + sizeof(float) * (K * C + R * C) +
+                       ggml_graph_overhead() + 1024 * 1024;
     ggml_init_params ip = {mem, nullptr, false};
     nd.ctx = ggml_init(ip);
     nd.w = ggml_new_tensor_2d(nd.ctx, GGML_TYPE_Q4_1, K, R);
@@ -58,6 +60,17 @@ void make_node(node & nd, int64_t R, int64_t K, int64_t C, std::mt19937 & rng) {
     nd.out = ggml_mul_mat(nd.ctx, nd.w, nd.a);
     nd.gf = ggml_new_graph(nd.ctx);
     ggml_build_forward_expand(nd.gf, nd.out);
+}
+
+// computes the node on `threads` threads with a work buffer of the size ggml's plan asks for
+void compute(const node & nd, int threads) {
+    ggml_cplan plan = ggml_graph_plan(nd.gf, threads, nullptr);
+    std::vector<uint8_t> work(plan.work_size);
+    plan.work_data = work.data();
+    if (ggml_graph_compute(nd.gf, &plan) != GGML_STATUS_SUCCESS) {
+        std::fprintf(stderr, "ggml_graph_compute failed\n");
+        std::exit(3);
+    }
 }
 
 // outputs of the node that differ in any bit from ggml_vec_dot_q4_1_q8_1; *max_diff: the largest |difference|
@@ -98,7 +111,7 @@ int run_checks() {
                     node nd;
                     make_node(nd, R, K, C, rng);
                     const uint64_t before = ggml_cpu_polykv_mm_blocks();
-                    ggml_graph_compute_with_ctx(nd.ctx, nd.gf, threads);
+                    compute(nd, threads);
                     // from 2 columns per thread the tiles take it (ggml may split a node's columns over the threads)
                     if (C >= 2 * threads && ggml_cpu_polykv_mm_blocks() == before) {
                         ++untiled;
@@ -122,7 +135,7 @@ int run_checks() {
     {
         node nd;
         make_node(nd, 1536, 576, 16, rng);
-        ggml_graph_compute_with_ctx(nd.ctx, nd.gf, 2);
+        compute(nd, 2);
         const int64_t b = compare_with_vec_dot(nd, &max_diff);
         ++cases;
         outputs += 1536 * 16;
@@ -143,7 +156,7 @@ int run_checks() {
 
 double time_ms(node & nd, int threads) {
     const auto t0 = std::chrono::steady_clock::now();
-    ggml_graph_compute_with_ctx(nd.ctx, nd.gf, threads);
+    compute(nd, threads);
     return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
@@ -184,8 +197,13 @@ int main(int argc, char ** argv) {
             std::fprintf(stderr, "usage: %s --bench ROWS K COLS RUNS THREADS\n", argv[0]);
             return 64;
         }
-        return run_bench(std::atoll(argv[2]), std::atoll(argv[3]), std::atoll(argv[4]), std::atoi(argv[5]),
-                         std::atoi(argv[6]));
+        const int64_t R = std::atoll(argv[2]), K = std::atoll(argv[3]), C = std::atoll(argv[4]);
+        const int runs = std::atoi(argv[5]), threads = std::atoi(argv[6]);
+        if (R < 1 || K < 32 || K % 32 != 0 || C < 1 || runs < 1 || threads < 1) {
+            std::fprintf(stderr, "usage: %s --bench ROWS K COLS RUNS THREADS (all >= 1, K a multiple of 32)\n", argv[0]);
+            return 64;
+        }
+        return run_bench(R, K, C, runs, threads);
     }
     if (argc != 1) {
         std::fprintf(stderr, "usage: %s [--bench ROWS K COLS RUNS THREADS]\n", argv[0]);

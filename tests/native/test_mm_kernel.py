@@ -61,7 +61,7 @@ def test_switched_off_the_tiles_compute_nothing() -> None:
     assert out["differing_outputs"] == 0 and out["returncode"] == 0, out
 
 
-@pytest.mark.parametrize("args", [["--bench", "16"], ["extra"]])
+@pytest.mark.parametrize("args", [["--bench", "16"], ["--bench", "16", "33", "16", "1", "1"], ["extra"]])
 def test_bad_arguments_get_usage(args: list[str]) -> None:
     proc = subprocess.run([str(EXE), *args], capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 64 and "usage:" in proc.stderr

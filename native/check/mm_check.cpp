@@ -113,7 +113,7 @@ int run_checks() {
                     const uint64_t before = ggml_cpu_polykv_mm_blocks();
                     compute(nd, threads);
                     // from 2 columns per thread the tiles take it (ggml may split a node's columns over the threads)
-                    if (C >= 2 * threads && ggml_cpu_polykv_mm_blocks() == before) {
+                    if (ggml_cpu_polykv_mm_enabled() && C >= 2 * threads && ggml_cpu_polykv_mm_blocks() == before) {
                         ++untiled;
                         std::fprintf(stderr, "not tiled: K=%lld R=%lld C=%lld threads=%d\n", (long long) K,
                                      (long long) R, (long long) C, threads);

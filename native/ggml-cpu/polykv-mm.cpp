@@ -10,6 +10,9 @@
 // compiler contracts its `summs += m * s` into an FMA, checked in the built library): per block
 // acc = fma(d0 * d1, float(dot(qx, qy)), acc) in 8 lanes and summs = fma(m0, s1, summs); then
 // hsum_float_8(acc) + summs. Integer dot products are exact whichever instruction forms them.
+// Whether a compiler contracts that `summs += m * s` is its choice, so before the first block the kernel
+// checks itself: a 16 x 16 block of pseudo-random values through the tiles and through this build's
+// ggml_vec_dot_q4_1_q8_1 must agree bit for bit in every output, or the tiles stay off (with a warning).
 
 #include "polykv-mm.h"
 
@@ -17,9 +20,12 @@
 #include "ggml-common.h"
 
 #include "ggml.h"
+#include "ggml-cpu.h"
+#include "ggml-impl.h"
 #include "simd-mappings.h"
 
 #include <atomic>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
@@ -33,8 +39,10 @@ namespace {
 
 constexpr int64_t BLOCK = 16;  // rows and columns of the chunk ggml's mul_mat hands one call
 
-std::atomic<int> g_switch{-1};  // -1: not read yet, 0: off, 1: on
+std::atomic<int> g_switch{-1};  // -1: not read yet, 0: off, 1: on (POLYKV_MM_TILES, ggml_cpu_polykv_mm_set)
 std::atomic<uint64_t> g_blocks{0};
+
+bool verified();
 
 bool switched_on() {
     int s = g_switch.load(std::memory_order_relaxed);
@@ -283,6 +291,102 @@ void compute(block_job & job, scratch & s) {
     }
 }
 
+// ggml_cpu_polykv_mm_block's work on one block, without the checks
+void compute_block(const block_q4_1 * const * x, int64_t nrows, const block_q8_1 * const * y, int64_t ncols,
+                   int64_t nb, char * dst, size_t dst_col_stride) {
+    block_job job;
+    job.nb = nb;
+    job.nrows = nrows;
+    job.ncols = ncols;
+    for (int64_t r = 0; r < nrows; ++r) {
+        job.x[r] = x[r];
+    }
+    for (int64_t c = 0; c < BLOCK; ++c) {
+        job.y[c] = y[c < ncols ? c : ncols - 1];
+    }
+    job.dst = dst;
+    job.dst_col_stride = dst_col_stride;
+    scratch & s = t_scratch;
+    s.fit(nb);
+    compute(job, s);
+}
+
+// The tiles against this build's ggml_vec_dot_q4_1_q8_1 on one 16 x 16 block (and a 16 x 15 one, for the odd
+// column's path) of pseudo-random blocks: true if every output is bit for bit the same.
+bool self_test() {
+    constexpr int64_t NB = 6;
+    std::vector<block_q4_1> xs(BLOCK * NB);
+    std::vector<block_q8_1> ys(BLOCK * NB);
+    uint32_t state = 0x9E3779B9u;
+    auto next = [&state]() {
+        state ^= state << 13;
+        state ^= state >> 17;
+        state ^= state << 5;
+        return state;
+    };
+    auto scale = [&next](float lo, float hi) {
+        return GGML_CPU_FP32_TO_FP16(lo + (hi - lo) * (float) (next() % 10007) / 10007.0f);
+    };
+    for (block_q4_1 & b : xs) {
+        ggml_half * h = reinterpret_cast<ggml_half *>(&b);
+        h[0] = scale(0.001f, 0.1f);
+        h[1] = scale(-0.8f, -0.01f);
+        for (uint8_t & q : b.qs) {
+            q = (uint8_t) next();
+        }
+    }
+    for (block_q8_1 & b : ys) {
+        ggml_half * h = reinterpret_cast<ggml_half *>(&b);
+        int sum = 0;
+        for (int8_t & q : b.qs) {
+            q = (int8_t) (next() % 255 - 127);
+            sum += q;
+        }
+        const float d = GGML_CPU_FP16_TO_FP32(scale(0.001f, 0.05f));
+        h[0] = GGML_CPU_FP32_TO_FP16(d);
+        h[1] = GGML_CPU_FP32_TO_FP16(d * (float) sum);
+    }
+    const block_q4_1 * x[BLOCK];
+    const block_q8_1 * y[BLOCK];
+    for (int64_t i = 0; i < BLOCK; ++i) {
+        x[i] = xs.data() + i * NB;
+        y[i] = ys.data() + i * NB;
+    }
+    const ggml_vec_dot_t vec_dot = ggml_get_type_traits_cpu(GGML_TYPE_Q4_1)->vec_dot;
+    for (int64_t ncols : {BLOCK, BLOCK - 1}) {
+        float out[BLOCK * BLOCK];
+        compute_block(x, BLOCK, y, ncols, NB, reinterpret_cast<char *>(out), BLOCK * sizeof(float));
+        for (int64_t c = 0; c < ncols; ++c) {
+            for (int64_t r = 0; r < BLOCK; ++r) {
+                float ref = 0.0f;
+                vec_dot((int) (NB * QK4_1), &ref, 0, x[r], 0, y[c], 0, 1);
+                if (std::memcmp(&ref, &out[c * BLOCK + r], sizeof(float)) != 0) {
+                    return false;
+                }
+            }
+        }
+    }
+    return true;
+}
+
+bool verified() {
+    static const bool ok = [] {
+        const bool pass = self_test();
+        if (!pass) {
+            GGML_LOG_WARN("polykv: the Q4_1 register tiles differ from this build's ggml_vec_dot_q4_1_q8_1 "
+                          "(its compiler rounds differently); they stay off\n");
+        }
+        return pass;
+    }();
+    return ok;
+}
+
+#else
+
+bool verified() {
+    return false;
+}
+
 #endif  // POLYKV_MM_AVX512
 
 }  // namespace
@@ -290,11 +394,7 @@ void compute(block_job & job, scratch & s) {
 extern "C" {
 
 bool ggml_cpu_polykv_mm_enabled(void) {
-#ifdef POLYKV_MM_AVX512
-    return switched_on();
-#else
-    return false;
-#endif
+    return switched_on() && verified();
 }
 
 void ggml_cpu_polykv_mm_set(bool on) {
@@ -310,7 +410,7 @@ bool ggml_cpu_polykv_mm_block(const struct ggml_tensor * dst, const void * wdata
 #ifdef POLYKV_MM_AVX512
     const ggml_tensor * src0 = dst->src[0];
     const ggml_tensor * src1 = dst->src[1];
-    if (src0->type != GGML_TYPE_Q4_1 || src1->type != GGML_TYPE_F32 || !switched_on()) {
+    if (src0->type != GGML_TYPE_Q4_1 || src1->type != GGML_TYPE_F32 || !switched_on() || !verified()) {
         return false;
     }
     if (src0->ne[2] != 1 || src0->ne[3] != 1 || src1->ne[2] != 1 || src1->ne[3] != 1 ||
@@ -323,22 +423,16 @@ bool ggml_cpu_polykv_mm_block(const struct ggml_tensor * dst, const void * wdata
     if (nrows <= 0 || ncols < 2 || nrows > BLOCK || ncols > BLOCK) {
         return false;
     }
-    block_job job;
-    job.nb = src0->ne[0] / QK4_1;
-    job.nrows = nrows;
-    job.ncols = ncols;
+    const block_q4_1 * x[BLOCK];
+    const block_q8_1 * y[BLOCK];
     for (int64_t r = 0; r < nrows; ++r) {
-        job.x[r] = reinterpret_cast<const block_q4_1 *>(static_cast<const char *>(src0->data) + (ir0 + r) * src0->nb[1]);
+        x[r] = reinterpret_cast<const block_q4_1 *>(static_cast<const char *>(src0->data) + (ir0 + r) * src0->nb[1]);
     }
-    for (int64_t c = 0; c < BLOCK; ++c) {
-        const int64_t col = ir1 + (c < ncols ? c : ncols - 1);
-        job.y[c] = reinterpret_cast<const block_q8_1 *>(static_cast<const char *>(wdata) + col * row_size);
+    for (int64_t c = 0; c < ncols; ++c) {
+        y[c] = reinterpret_cast<const block_q8_1 *>(static_cast<const char *>(wdata) + (ir1 + c) * row_size);
     }
-    job.dst = static_cast<char *>(dst->data) + ir1 * dst->nb[1] + ir0 * sizeof(float);
-    job.dst_col_stride = dst->nb[1];
-    scratch & s = t_scratch;
-    s.fit(job.nb);
-    compute(job, s);
+    compute_block(x, nrows, y, ncols, src0->ne[0] / QK4_1,
+                  static_cast<char *>(dst->data) + ir1 * dst->nb[1] + ir0 * sizeof(float), dst->nb[1]);
     g_blocks.fetch_add(1, std::memory_order_relaxed);
     return true;
 #else

@@ -12,8 +12,9 @@
 // converted, one FMA into 8 lanes; m*s added by an FMA into a scalar; the 8 lanes summed as
 // hsum_float_8, then the scalar added), so results are identical to upstream's, bit for bit.
 //
-// On by default where it is compiled (x86-64 with AVX-512 F/BW/VL/VNNI); POLYKV_MM_TILES=0 in the
-// environment turns it off (read once per process), for A/B measurements.
+// On by default where it is compiled (x86-64 with AVX-512 F/BW/VL/VNNI) and where it passes its own check
+// against the build's ggml_vec_dot_q4_1_q8_1, run once before its first block (every bit of a 16 x 16
+// block); POLYKV_MM_TILES=0 in the environment turns it off (read once per process), for A/B measurements.
 #pragma once
 
 #include <stdbool.h>
@@ -33,7 +34,7 @@ struct ggml_tensor;
 bool ggml_cpu_polykv_mm_block(const struct ggml_tensor * dst, const void * wdata, size_t row_size,
                               int64_t ir0, int64_t ir0_end, int64_t ir1, int64_t ir1_end);
 
-// whether the kernel is compiled in and switched on in this process
+// whether the kernel is compiled in, switched on and has passed its check in this process
 bool ggml_cpu_polykv_mm_enabled(void);
 
 // switch it on or off for this process (overrides POLYKV_MM_TILES; for checks and A/B runs)

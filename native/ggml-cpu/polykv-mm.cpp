@@ -71,11 +71,25 @@ inline __m256 upper_half(const __m512 v) {
     return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
 }
 
-// a row's block as 32 bytes (low nibbles: values 0-15, high nibbles: 16-31), in both 256-bit halves
-inline __m512i unpack_row(const block_q4_1 * b) {
-    const __m512i q = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i *>(b->qs)));
+// 16 bytes of nibbles in each 128-bit lane -> their low nibbles in lanes 0 and 2, high nibbles in lanes 1 and 3
+// (each 256-bit half: one block's 32 values in order, as ggml's bytes_from_nibbles_32)
+inline __m512i nibbles(const __m512i q) {
     const __m512i shift = _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0);
     return _mm512_and_si512(_mm512_srlv_epi64(q, shift), _mm512_set1_epi8(0x0F));
+}
+
+inline __m128i load_qs(const block_q4_1 * b) {
+    return _mm_loadu_si128(reinterpret_cast<const __m128i *>(b->qs));
+}
+
+// a row's block as 32 bytes (low nibbles: values 0-15, high nibbles: 16-31), in both 256-bit halves
+inline __m512i unpack_row(const block_q4_1 * b) {
+    return nibbles(_mm512_broadcast_i32x4(load_qs(b)));
+}
+
+// two rows' blocks: row a in the lower 256-bit half, row b in the upper
+inline __m512i unpack_rows(const block_q4_1 * a, const block_q4_1 * b) {
+    return nibbles(_mm512_mask_broadcast_i32x4(_mm512_broadcast_i32x4(load_qs(a)), 0xFF00, load_qs(b)));
 }
 
 // two columns' blocks side by side: a in the lower half, b in the upper
@@ -195,15 +209,11 @@ inline void column_tile(int64_t nb, const block_q4_1 * const * x, const float * 
     for (int i = 0; i < RP; ++i) {
         acc[i] = _mm512_setzero_ps();
     }
-    const __m512i shift = _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0);
     for (int64_t ib = 0; ib < nb; ++ib) {
         const __m512i qy = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(y[ib].qs)));
         const __m512 d1v = _mm512_set1_ps(d1[ib * BLOCK + c]);
         for (int i = 0; i < RP; ++i) {
-            __m512i q = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i *>(x[2 * i][ib].qs)));
-            q = _mm512_mask_broadcast_i32x4(q, 0xFF00,
-                                            _mm_loadu_si128(reinterpret_cast<const __m128i *>(x[2 * i + 1][ib].qs)));
-            const __m512i qx = _mm512_and_si512(_mm512_srlv_epi64(q, shift), _mm512_set1_epi8(0x0F));
+            const __m512i qx = unpack_rows(x[2 * i] + ib, x[2 * i + 1] + ib);
             const __m512 d0v = _mm512_mask_broadcastss_ps(_mm512_set1_ps(d0[2 * i][ib]), 0xFF00,
                                                           _mm_set_ss(d0[2 * i + 1][ib]));
             const __m512 d0d1 = _mm512_mul_ps(d0v, d1v);

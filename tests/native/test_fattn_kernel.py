@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cpu_info import cpu_flags
 
 from polykv_py.native import NATIVE_DIR
 
@@ -38,12 +39,6 @@ F32_ROUNDING = 1e-5
 #: Measured here: at most 4e-6 for every build of the path; upstream's kernel 5e-3-3e-2 (it rounds
 #: Q to f16 (q8_0 for q8_0 K) and accumulates V in f16).
 MAX_ERR = 1e-4
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
-    info = Path("/proc/cpuinfo")
-    return set(info.read_text().split()) if info.exists() else set()
 
 
 @pytest.fixture(scope="module")

@@ -13,22 +13,16 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from pathlib import Path
 from typing import Any
 
 import pytest
+from cpu_info import cpu_flags
 
 from polykv_py.native import NATIVE_DIR
 
 EXE = NATIVE_DIR / "bin" / "polykv-mm-check"
 #: the instruction sets the tiles are compiled for (polykv-mm.cpp); the build targets what the CPU has
 TILE_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
-    info = Path("/proc/cpuinfo")
-    return set(info.read_text().split()) if info.exists() else set()
 
 
 def run_check(**env: str) -> dict[str, Any]:

@@ -40,7 +40,7 @@ from .common import round_up
 from .fanout import engine_params
 from .machine import load_avg, machine
 from .multiturn import QUESTION_TOKENS, base_for, question_block
-from .roofline import attention_shape, kernel_readings
+from .roofline import attention_shape, kernel_readings, path_rows
 from .roofline import rows as roofline_rows
 from .systems import SYSTEMS, UPSTREAM_DECODE, System, start_system_server
 
@@ -75,6 +75,7 @@ async def _fanout(url: str, server: Any, base: str, cell: DecodeCell, timeout: f
     async with AsyncClient(url, server=server, timeout=timeout) as client:
         sc = Fanout(client, BasePrompt.from_text(base), share=True, concurrency=cell.n)
         await sc.prime()
+        before = await client.props()
         res = await sc.run(agents, prime=False)
         props = await client.props()
     steps = [a.timings.get("predicted_per_token_ms") for a in res.agents]
@@ -85,7 +86,18 @@ async def _fanout(url: str, server: Any, base: str, cell: DecodeCell, timeout: f
         "n_errors": sum(1 for a in res.agents if a.error),
         "texts": [a.text for a in res.agents],
         "shared_decode": props.get("polykv_shared_decode"),
+        "path_time": path_time(before.get("polykv_shared_decode"), props.get("polykv_shared_decode")),
     }
+
+
+def path_time(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, int] | None:
+    """The path's counters over the fan-out alone (the pool's priming excluded): its ops and the time and work
+    counters of ``/props`` (``polykv_shared_decode.time``); None for a server without them."""
+    if not before or not after or "time" not in after or "time" not in before:
+        return None
+    out = {k: after["time"][k] - before["time"][k] for k in after["time"]}
+    out["ops"] = after["ops"] - before["ops"]
+    return out
 
 
 def run_cell(system: System, cell: DecodeCell, base: str, *, threads: int, model: str | None) -> dict[str, Any]:
@@ -229,7 +241,9 @@ def run_grid(
                 f"{row['different']} different, max drift {row['max_drift']}")  # fmt: skip
         write(doc, out_dir)
     doc["kernel"].append(kernel_readings(threads))
-    doc["roofline"] = roofline_rows(doc, attention_shape(model))
+    shape = attention_shape(model)
+    doc["roofline"] = roofline_rows(doc, shape)
+    doc["path_time"] = path_rows(doc, shape)
     doc["machine"]["load_avg_end"] = load_avg()
     doc["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     write(doc, out_dir)
@@ -240,6 +254,7 @@ def merged(rs: list[dict[str, Any]]) -> dict[str, Any]:
     """One system's runs of a cell as one cell: the first run's answers, the median step and wall, every run's."""
     first = dict(rs[0])
     first["step_ms_runs"] = [r["step_ms"] for r in rs]
+    first["path_time_runs"] = [r.get("path_time") for r in rs]
     first["wall_s_runs"] = [r["wall_s"] for r in rs]
     first["step_ms"] = round(median(first["step_ms_runs"]), 2)
     first["wall_s"] = round(median(first["wall_s_runs"]), 3)
@@ -291,7 +306,7 @@ def roofline_markdown(doc: dict[str, Any]) -> list[str]:
     """The prefix attention's rate in the server and at the ggml level, against the FP32 peak of the same run."""
     from polykv_py.harness.report import table
 
-    if not doc.get("roofline") and not doc.get("kernel"):
+    if not doc.get("roofline") and not doc.get("kernel") and not doc.get("path_time"):
         return []
     lines = ["## The prefix attention against the FP32 peak", ""]
     kernel = doc.get("kernel", [])
@@ -345,6 +360,30 @@ def roofline_markdown(doc: dict[str, Any]) -> list[str]:
                 ],
                 markdown=True,
             ),
+            "",
+        ]
+    paths = doc.get("path_time") or []
+    if paths:
+        path_table = table(
+            ["N", "G", "P", "step ms", "path ms/step", "of step", "shared GFLOP/s", "of FP32 peak",
+             "private GB/s", "of read bandwidth"],
+            [
+                [r["n"], r["gen"], f"{r['p']:,}", r["step_ms"], r["path_ms"], f"{r['path_of_step']:.0%}",
+                 r["shared_gflops"], None if r["shared_of_peak"] is None else f"{r['shared_of_peak']:.0%}",
+                 r["private_gbs"], None if r["private_of_read"] is None else f"{r['private_of_read']:.0%}"]
+                for r in paths
+            ],
+            markdown=True,
+        )  # fmt: skip
+        lines += [
+            "The path's own time in the server, counted by the kernel over each fan-out (the pool's priming left "
+            "out; `/props` `polykv_shared_decode.time`): its nodes' wall time per step, and the threads' time in "
+            "shared tiles (the prefix: mask, K/V conversion, both GEMMs, softmax) and in private cells (each "
+            "agent's own), each as a rate of the two threads together: shared tiles' GFLOP/s against the FP32 peak, "
+            "private pairs' K/V bytes against the read bandwidth from memory, both measured by the kernel check in "
+            "this run (the higher of its readings). Medians of the runs.",
+            "",
+            path_table,
             "",
         ]
     return lines

@@ -148,3 +148,58 @@ def rows(doc: dict[str, Any], shape: AttentionShape) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def _best(doc: dict[str, Any], key: str) -> float | None:
+    """The highest of the run's kernel readings of ``key`` (a lower one is the machine disturbed)."""
+    got = [k[key] for k in doc.get("kernel", []) if (k.get(key) or 0) > 0]
+    return max(got) if got else None
+
+
+def path_run(t: dict[str, int], step_ms: float, shape: AttentionShape, threads: int) -> dict[str, Any] | None:
+    """One fan-out's path counters (``bench.decode.path_time``) as per-step time and rates of ``threads`` threads:
+    the nodes' wall ms per step (steps = ops / layers), shared tiles' GFLOP/s, private pairs' GB/s."""
+    steps = t["ops"] / shape.n_layer
+    if steps <= 0 or t["node_ns"] <= 0:
+        return None
+    path_ms = t["node_ns"] / 1e6 / steps
+    return {
+        "path_ms": round(path_ms, 2),
+        "path_of_step": round(path_ms / step_ms, 3) if step_ms else None,
+        "shared_gflops": round(t["shared_flop"] * threads / t["shared_ns"], 1) if t["shared_ns"] else None,
+        "private_gbs": round(t["private_bytes"] * threads / t["private_ns"], 2) if t["private_ns"] else None,
+    }
+
+
+def path_rows(doc: dict[str, Any], shape: AttentionShape) -> list[dict[str, Any]]:
+    """For each step cell with the path on, its own time in the server (the kernel's counters over the fan-outs):
+    the nodes' ms per step and their share of the step, the shared tiles' rate against the run's FP32 peak and the
+    private pairs' bytes against its read bandwidth; medians of the runs, every run kept."""
+    threads = doc["config"]["threads"]
+    peak, read = _best(doc, "fma_peak_gflops"), _best(doc, "read_gbs")
+    out = []
+    for c in doc["cells"]:
+        if c["kind"] != "step" or c["system"] != "shared_decode":
+            continue
+        timed = zip(c.get("path_time_runs") or [], c.get("step_ms_runs") or [], strict=False)
+        runs = [r for r in (path_run(t, ms, shape, threads) for t, ms in timed if t) if r]
+        if not runs:
+            continue
+
+        def mid(key: str, runs: list[dict[str, Any]] = runs) -> float | None:
+            got = [r[key] for r in runs if r[key] is not None]
+            return round(median(got), 3) if got else None
+
+        shared, private = mid("shared_gflops"), mid("private_gbs")
+        out.append(
+            {
+                "n": c["n"], "gen": c["gen"], "p": c["p"], "step_ms": c["step_ms"],
+                "path_ms": mid("path_ms"), "path_of_step": mid("path_of_step"),
+                "shared_gflops": shared, "peak_gflops": peak,
+                "shared_of_peak": round(shared / peak, 3) if shared and peak else None,
+                "private_gbs": private, "read_gbs": read,
+                "private_of_read": round(private / read, 3) if private and read else None,
+                "runs": runs,
+            }
+        )  # fmt: skip
+    return out

@@ -15,9 +15,9 @@
 //        polykv-fattn-check --bench [N] [n_kv] [threads] [n_priv] [layout] [cold]
 //            ms per node, path off and on (default 16 4608 2, a quarter of the cells private, "prefix";
 //            "causal": one sequence's prompt batch), the attention's GFLOP/s each way and, on x86-64,
-//            the machine's FP32 FMA peak on as many threads, measured in the same run; "cold": 64 MiB
-//            read before every computation (untimed), as a server's weights pass through the caches
-//            between two attention nodes
+//            the machine's FP32 FMA peak and read bandwidth from memory on as many threads, measured in the same
+//            run; "cold": 64 MiB read before every computation (untimed), as a server's weights pass through the
+//            caches between two attention nodes
 
 #include "ggml.h"
 #include "ggml-backend.h"
@@ -485,6 +485,35 @@ double fma_peak_gflops(int threads) {
 #endif
 }
 
+// the machine's read bandwidth from memory on as many threads (GB/s, the best of 3): each thread sums its part of a
+// 256 MiB buffer (far beyond the caches) with 64-byte loads, as the path reads K/V rows that are not cached
+double read_gbs(int threads) {
+    const size_t bytes = (size_t) 256 << 20, lines = bytes / 64;
+    std::vector<uint64_t> buf(bytes / sizeof(uint64_t), 1); // written once: its pages are mapped before timing
+    std::atomic<uint64_t> kept{0};
+    double best = 0;
+    for (int run = 0; run < 3; ++run) {
+        std::vector<std::thread> pool;
+        const auto t0 = std::chrono::steady_clock::now();
+        for (int t = 0; t < threads; ++t) {
+            pool.emplace_back([&, t] {
+                uint64_t sum[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+                for (size_t l = lines * t / threads; l < lines * (t + 1) / threads; ++l) {
+                    for (int w = 0; w < 8; ++w) { // every word of the line: the compiler makes vector loads of it
+                        sum[w] += buf[l*8 + w];
+                    }
+                }
+                kept.fetch_add(sum[0] + sum[1] + sum[2] + sum[3] + sum[4] + sum[5] + sum[6] + sum[7]);
+            });
+        }
+        for (std::thread & th : pool) {
+            th.join();
+        }
+        best = std::max(best, bytes / std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / 1e9);
+    }
+    return kept.load() == bytes / sizeof(uint64_t) * 3 ? best : -1; // every word read, in every run
+}
+
 } // namespace
 
 int main(int argc, char ** argv) {
@@ -518,11 +547,12 @@ int main(int argc, char ** argv) {
         // product and a DV axpy, 2 flops per multiply-add (upstream does the same amount)
         const double gflop = (double) r.visible * tc.n_head * 2 * (tc.DK + tc.DV) / 1e9;
         const double peak  = fma_peak_gflops(threads);
+        const double gbs   = read_gbs(threads);
         printf("{\"N\": %d, \"n_kv\": %d, \"threads\": %d, \"ms_off\": %.3f, \"ms_on\": %.3f, \"on_over_off\": %.3f, "
                "\"err_on\": %.3g, \"gflop\": %.6f, \"gflops_off\": %.1f, \"gflops_on\": %.1f, "
-               "\"fma_peak_gflops\": %.1f, \"on_of_peak\": %.3f}\n",
+               "\"fma_peak_gflops\": %.1f, \"on_of_peak\": %.3f, \"read_gbs\": %.1f}\n",
                N, n_kv, threads, r.ms_off, r.ms_on, r.ms_on / r.ms_off, r.err_on, gflop, gflop / r.ms_off * 1e3,
-               gflop / r.ms_on * 1e3, peak, peak > 0 ? gflop / r.ms_on * 1e3 / peak : -1.0);
+               gflop / r.ms_on * 1e3, peak, peak > 0 ? gflop / r.ms_on * 1e3 / peak : -1.0, gbs);
         return 0;
     }
 

@@ -35,6 +35,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -79,8 +80,16 @@ struct problem {
 };
 
 struct stats_delta {
-    uint64_t shared = 0, priv = 0, skipped = 0;
+    uint64_t shared = 0, priv = 0, skipped = 0;  // tiles (times KV heads) by kind
+    uint64_t shared_ns = 0, private_ns = 0, item_ns = 0; // this thread's time in them, and in its work items
+    uint64_t shared_flop = 0, private_flop = 0, private_bytes = 0; // their arithmetic; K/V bytes of private pairs
 };
+
+using clock_type = std::chrono::steady_clock;
+
+static inline uint64_t ns_since(clock_type::time_point t0, clock_type::time_point t1) {
+    return (uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count();
+}
 
 static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -916,6 +925,15 @@ static void run_item(const problem & p, int64_t item, float * scratch_base, floa
     const int64_t ik3 = i3 / p.rk3;
 
     const scratch s = carve(p, scratch_base);
+    // where the item's time goes: each lap adds the time since the last one to a tile kind's counter
+    const clock_type::time_point t_item = clock_type::now();
+    clock_type::time_point t_lap = t_item;
+    auto lap = [&](uint64_t & ns) {
+        const clock_type::time_point t = clock_type::now();
+        ns += ns_since(t_lap, t);
+        t_lap = t;
+    };
+    uint64_t other_ns = 0; // queries, skipped tiles, partials
 
     // queries of each KV head's rows, scaled: Qr row-major, QT transposed (padded rows are zero)
     for (int64_t gl = 0; gl < hg; ++gl) {
@@ -954,11 +972,15 @@ static void run_item(const problem & p, int64_t item, float * scratch_base, floa
     memset(s.sn, 0, sizeof(int32_t)*N);
 #endif
     prefetcher pf = { kbase, vbase, p.nbk1, p.nbk2, p.k_row, p.nbv1, p.nbv2, p.v_row, hg, c0, c1, c0 };
+    const uint64_t pair_flop = (uint64_t) (rk2*hg*2*(DK + DV));          // per visible (token, cell) pair
+    const uint64_t pair_bytes = (uint64_t) (hg*(p.k_row + p.v_row));
+    lap(other_ns);
     int64_t span_t0 = -1, span_n = 0, span_te = 0; // the open span's first cell (-1: none), its tiles, its end
     auto flush = [&]() {
 #if defined(POLYKV_FA_F16_DIRECT)
         if (span_t0 >= 0) {
             private_span(p, s, hg, kbase, vbase, span_t0, span_te, pf);
+            lap(st.private_ns);
         }
 #endif
         span_t0 = -1;
@@ -987,6 +1009,7 @@ static void run_item(const problem & p, int64_t item, float * scratch_base, floa
         }
         if (seen == 0) {
             st.skipped += hg;
+            lap(other_ns);
             continue;
         }
 
@@ -1004,8 +1027,10 @@ static void run_item(const problem & p, int64_t item, float * scratch_base, floa
 
         if (shared) {
             // shared tile: all rows of each KV head at once
+            lap(st.shared_ns); // its mask's scan
             flush();
             st.shared += hg;
+            st.shared_flop += (uint64_t) seen*pair_flop;
             convert();
             const bool unmasked = zeros == N*tn;
             if (!unmasked) {
@@ -1026,9 +1051,12 @@ static void run_item(const problem & p, int64_t item, float * scratch_base, floa
                 shared_tile(p, s, head_of(p, s, gl), s.Kf + gl*TILE*DK, s.Vf + gl*TILE*DV, tn, unmasked, pf);
             }
             pf.upto(pf.goal);
+            lap(st.shared_ns);
         } else {
             // private tile: each token's rows over the cells that token sees
             st.priv += hg;
+            st.private_flop  += (uint64_t) seen*pair_flop;
+            st.private_bytes += (uint64_t) seen*pair_bytes;
 #if defined(POLYKV_FA_F16_DIRECT)
             if (raw) {
                 if (span_t0 < 0) {
@@ -1040,6 +1068,7 @@ static void run_item(const problem & p, int64_t item, float * scratch_base, floa
                     }
                 }
                 span_te = t0 + tn;
+                lap(st.private_ns);
                 if (++span_n*TILE == p.span_cells) {
                     flush();
                 }
@@ -1052,6 +1081,7 @@ static void run_item(const problem & p, int64_t item, float * scratch_base, floa
             for (int64_t gl = 0; gl < hg; ++gl) {
                 private_tile(p, s, head_of(p, s, gl), s.Kf + gl*TILE*DK, s.Vf + gl*TILE*DV, np);
             }
+            lap(st.private_ns);
         }
     }
     flush();
@@ -1071,6 +1101,8 @@ static void run_item(const problem & p, int64_t item, float * scratch_base, floa
             }
         }
     }
+    lap(other_ns);
+    st.item_ns += ns_since(t_item, t_lap);
 }
 
 // merges the chunks of global rows [gr0, gr1) in chunk order and writes dst
@@ -1221,6 +1253,7 @@ using namespace POLYKV_FA_NS;
 
 static std::atomic<bool>     g_on{false};
 static std::atomic<uint64_t> g_stats[4];
+static std::atomic<uint64_t> g_times[POLYKV_FA_N_TIMES];
 
 void ggml_backend_cpu_polykv_set_shared_decode(bool on) { g_on.store(on); }
 bool ggml_backend_cpu_polykv_get_shared_decode(void)    { return g_on.load(); }
@@ -1229,6 +1262,27 @@ void ggml_backend_cpu_polykv_shared_decode_stats(uint64_t out[4]) {
     for (int i = 0; i < 4; ++i) {
         out[i] = g_stats[i].load();
     }
+}
+
+void ggml_backend_cpu_polykv_shared_decode_times(uint64_t out[POLYKV_FA_N_TIMES]) {
+    for (int i = 0; i < POLYKV_FA_N_TIMES; ++i) {
+        out[i] = g_times[i].load();
+    }
+}
+
+void * ggml_backend_cpu_polykv_proc_address(const char * name) {
+    static const struct { const char * name; void * fn; } entries[] = {
+        { "ggml_backend_cpu_polykv_set_shared_decode",   (void *) ggml_backend_cpu_polykv_set_shared_decode },
+        { "ggml_backend_cpu_polykv_get_shared_decode",   (void *) ggml_backend_cpu_polykv_get_shared_decode },
+        { "ggml_backend_cpu_polykv_shared_decode_stats", (void *) ggml_backend_cpu_polykv_shared_decode_stats },
+        { "ggml_backend_cpu_polykv_shared_decode_times", (void *) ggml_backend_cpu_polykv_shared_decode_times },
+    };
+    for (const auto & e : entries) {
+        if (strcmp(name, e.name) == 0) {
+            return e.fn;
+        }
+    }
+    return nullptr;
 }
 
 size_t ggml_cpu_polykv_fa_wsize(const ggml_tensor * dst, int n_tasks) {
@@ -1250,6 +1304,7 @@ bool ggml_cpu_polykv_fa_decode(const ggml_compute_params * params, ggml_tensor *
         return false;
     }
 
+    const clock_type::time_point t_node = clock_type::now();
     float * wbase    = (float *) params->wdata;
     float * partials = wbase + nth*scratch_floats(p);
     float * mine     = wbase + ith*scratch_floats(p);
@@ -1275,10 +1330,16 @@ bool ggml_cpu_polykv_fa_decode(const ggml_compute_params * params, ggml_tensor *
 
     if (ith == 0) {
         g_stats[0].fetch_add(1, std::memory_order_relaxed);
+        g_times[0].fetch_add(ns_since(t_node, clock_type::now()), std::memory_order_relaxed);
     }
     g_stats[1].fetch_add(st.shared, std::memory_order_relaxed);
     g_stats[2].fetch_add(st.priv, std::memory_order_relaxed);
     g_stats[3].fetch_add(st.skipped, std::memory_order_relaxed);
+    const uint64_t times[POLYKV_FA_N_TIMES] = { 0, st.shared_ns, st.private_ns, st.item_ns, st.shared_flop,
+                                                st.private_flop, st.private_bytes };
+    for (int i = 1; i < POLYKV_FA_N_TIMES; ++i) {
+        g_times[i].fetch_add(times[i], std::memory_order_relaxed);
+    }
     return true;
 }
 

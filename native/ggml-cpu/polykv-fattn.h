@@ -34,6 +34,17 @@ bool ggml_backend_cpu_polykv_get_shared_decode(void);
 // block (shared), [2] tiles scored as (row, cell) pairs (private), [3] tiles skipped (every row masked)
 void ggml_backend_cpu_polykv_shared_decode_stats(uint64_t out[4]);
 
+// where the path's time goes, counted since start: [0] ns of its nodes (thread 0, from a node's start to its last
+// row written: the wall time), then summed over threads: [1] ns in shared tiles (mask scan, K/V conversion, GEMMs,
+// softmax), [2] ns in private tiles and spans, [3] ns in work items (the rest: queries, skipped tiles, partials);
+// [4] flops of shared tiles and [5] of private ones (2 (DK + DV) per query head and visible (token, cell) pair),
+// [6] K/V row bytes of the private pairs (each pair's rows of its KV heads)
+#define POLYKV_FA_N_TIMES 7
+void ggml_backend_cpu_polykv_shared_decode_times(uint64_t out[POLYKV_FA_N_TIMES]);
+
+// the entry points above by name, for the CPU backend's get_proc_address (nullptr for any other name)
+void * ggml_backend_cpu_polykv_proc_address(const char * name);
+
 // work buffer this op needs if the switch is on and it qualifies for the path (else 0)
 size_t ggml_cpu_polykv_fa_wsize(const struct ggml_tensor * dst, int n_tasks);
 

@@ -534,6 +534,7 @@ struct polykv_cpu_entries {
     void (*set)(bool)         = nullptr;
     bool (*get)(void)         = nullptr;
     void (*stats)(uint64_t *) = nullptr;
+    void (*times)(uint64_t *) = nullptr;
 
     polykv_cpu_entries() {
         ggml_backend_reg_t reg = ggml_backend_reg_by_name("CPU");
@@ -541,6 +542,7 @@ struct polykv_cpu_entries {
             set   = (void (*)(bool)) ggml_backend_reg_get_proc_address(reg, "ggml_backend_cpu_polykv_set_shared_decode");
             get   = (bool (*)(void)) ggml_backend_reg_get_proc_address(reg, "ggml_backend_cpu_polykv_get_shared_decode");
             stats = (void (*)(uint64_t *)) ggml_backend_reg_get_proc_address(reg, "ggml_backend_cpu_polykv_shared_decode_stats");
+            times = (void (*)(uint64_t *)) ggml_backend_reg_get_proc_address(reg, "ggml_backend_cpu_polykv_shared_decode_times");
         }
     }
 };
@@ -591,13 +593,29 @@ json polykv_shared_decode_state() {
     }
     uint64_t st[4] = {0, 0, 0, 0};
     stats(st);
-    return json {
+    json out = {
         {"enabled",       get()},
         {"ops",           st[0]},
         {"tiles_shared",  st[1]},
         {"tiles_private", st[2]},
         {"tiles_skipped", st[3]},
     };
+    if (auto times = polykv_cpu().times) {
+        // where the path's time went (polykv-fattn.h): its nodes' wall time, the threads' time by tile kind, the
+        // arithmetic of each kind and the K/V bytes of the private pairs
+        uint64_t t[7] = {0, 0, 0, 0, 0, 0, 0}; // POLYKV_FA_N_TIMES
+        times(t);
+        out["time"] = json {
+            {"node_ns",       t[0]},
+            {"shared_ns",     t[1]},
+            {"private_ns",    t[2]},
+            {"items_ns",      t[3]},
+            {"shared_flop",   t[4]},
+            {"private_flop",  t[5]},
+            {"private_bytes", t[6]},
+        };
+    }
+    return out;
 }
 
 void polykv_add_props(json & props, const common_params & params_base, const polykv_pool_files * files) {

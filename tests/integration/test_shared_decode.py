@@ -143,3 +143,17 @@ def test_the_path_ran_only_where_it_was_turned_on(runs: Runs) -> None:
     assert on["ops"] - primed["ops"] == N_LAYER * ROUNDS * GEN["n_predict"], (primed, on)
     assert on["tiles_shared"] > primed["tiles_shared"] and on["tiles_private"] > primed["tiles_private"], (primed, on)
     assert "polykv_shared_decode" not in runs["off"].props
+
+
+def test_the_path_counts_its_time_and_work(runs: Runs) -> None:
+    on, primed = runs["on"].props["polykv_shared_decode"], runs["on"].props_primed["polykv_shared_decode"]
+    t = {k: on["time"][k] - primed["time"][k] for k in on["time"]}
+    assert all(v > 0 for v in t.values()), t
+    # the threads' time by tile kind lies within their work items, and the items within the nodes' wall time on
+    # each of the 2 threads (thread 0 times a node from before its first barrier to its last row)
+    assert t["shared_ns"] + t["private_ns"] <= t["items_ns"] <= 2 * t["node_ns"], t
+    # 2 (DK + DV) flops per query head of a visible (token, cell) pair: the 3 query heads of each of the 3 KV heads
+    pair_flop = 2 * (64 + 64) * 9
+    assert t["shared_flop"] % pair_flop == 0 and t["private_flop"] % pair_flop == 0, t
+    # a private pair's K and V rows: 3 KV heads of 64 f16 values each
+    assert t["private_bytes"] == t["private_flop"] // pair_flop * 3 * 2 * 64 * 2, t

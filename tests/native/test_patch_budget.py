@@ -5,8 +5,8 @@ budget is a ratchet at what the series adds today (measured here, 2026-12-06: 22
 127 of them in ``tools/server/server-context.cpp`` since the hooks' bodies moved to
 ``native/server/server-polykv-slots.cpp`` behind one ``polykv_slot`` member per slot, 6 in ``common/arg.cpp``,
 the largest hunk 11 lines; issue 40 aimed at ~330 and ~15), plus 5 for 0079's one call site in ggml-cpu.c (the
-Q4_1 register tiles, 2026-12-07): a change that adds more fails here, and a change that moves code out lowers the
-numbers below.
+Q4_1 register tiles, 2026-12-07), minus 6 when 0076's proc addresses moved to one lookup in native/ (2026-12-08):
+a change that adds more fails here, and a change that moves code out lowers the numbers below.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import patchtool  # scripts/, on sys.path through pytest's pythonpath option (pyproject.toml)
 
 #: Non-blank lines the whole series may add to upstream's files.
-TOTAL_BUDGET = 230
+TOTAL_BUDGET = 224
 #: ... to any one upstream file.
 FILE_BUDGET = {"tools/server/server-context.cpp": 127, "common/arg.cpp": 6}
 #: ... in any one hunk.

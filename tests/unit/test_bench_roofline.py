@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from bench import decode
-from bench.roofline import AttentionShape, attention_shape, rows
+from bench.roofline import AttentionShape, attention_shape, path_rows, rows
 
 #: The default model's attention (SmolLM2 135M: 30 layers, 9 query heads of 64).
 DEFAULT_SHAPE = AttentionShape(n_layer=30, n_head=9, dk=64, dv=64)
@@ -103,3 +103,32 @@ def test_extra_time_is_the_median_of_the_rounds_differences() -> None:
     hi["step_ms_runs"] = [75.0, 95.0]
     (r,) = rows(_doc([lo, hi]), DEFAULT_SHAPE)
     assert r["extra_ms_runs"] == [] and r["extra_ms"] == 20.0
+
+
+def test_path_time_from_the_kernels_counters_against_the_runs_peak_and_bandwidth() -> None:
+    # two runs of one cell: 31 steps of 30 layers (930 ops), 2 threads
+    first = {"ops": 930, "node_ns": 31 * 30 * 1_000_000, "shared_ns": 40_000_000, "private_ns": 10_000_000,
+             "items_ns": 60_000_000, "shared_flop": 4_000_000_000, "private_flop": 10_000_000,
+             "private_bytes": 100_000_000}  # fmt: skip
+    second = first | {"node_ns": 31 * 30 * 1_200_000, "shared_ns": 50_000_000, "private_ns": 20_000_000,
+                      "items_ns": 80_000_000}  # fmt: skip
+    runs = [first, second]
+    on = _cell("shared_decode", 4096, 80.0) | {"step_ms_runs": [75.0, 85.0], "path_time_runs": runs}
+    doc = _doc([_cell("patched", 4096, 250.0), on])
+    for k, gbs in zip(doc["kernel"], (20.0, 25.0), strict=True):
+        k["read_gbs"] = gbs
+    (row,) = path_rows(doc, DEFAULT_SHAPE)
+    # 30 ms and 36 ms of nodes per step; 200 and 160 GFLOP/s (4 GFLOP in 20 and 25 ms of 2 threads); 20 and 10 GB/s
+    assert [r["path_ms"] for r in row["runs"]] == [30.0, 36.0] and row["path_ms"] == 33.0
+    assert [r["path_of_step"] for r in row["runs"]] == [0.4, round(36 / 85, 3)]
+    assert row["shared_gflops"] == 180.0 and row["shared_of_peak"] == 0.36  # against the higher peak, 500
+    assert row["private_gbs"] == 15.0 and row["private_of_read"] == 0.6  # against the higher bandwidth, 25 GB/s
+    doc["path_time"] = [row]
+    md = decode.markdown(doc)
+    assert "The path's own time in the server" in md
+    assert "|   80.00 |        33.00 | 41%     |         180.00 | 36%          |        15.00 | 60%  " in md
+
+
+def test_no_path_time_without_counters_or_for_the_upstream_kernel() -> None:
+    doc = _doc([_cell("patched", 4096, 250.0) | {"path_time_runs": [None]}, _cell("shared_decode", 4096, 80.0)])
+    assert path_rows(doc, DEFAULT_SHAPE) == []

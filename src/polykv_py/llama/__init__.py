@@ -21,7 +21,14 @@ if TYPE_CHECKING:
     from .model import Model
     from .params import ContextParams, SamplingParams
     from .sampler import Sampler
-    from .shared_decode import SharedDecodeStats, set_shared_decode, shared_decode_enabled, shared_decode_stats
+    from .shared_decode import (
+        SharedDecodeStats,
+        SharedDecodeTimes,
+        set_shared_decode,
+        shared_decode_enabled,
+        shared_decode_stats,
+        shared_decode_times,
+    )
     from .vocab import Vocab
 
 __all__ = [
@@ -34,12 +41,14 @@ __all__ = [
     "Sampler",
     "SamplingParams",
     "SharedDecodeStats",
+    "SharedDecodeTimes",
     "Vocab",
     "ensure_backend",
     "max_parallel_sequences",
     "set_shared_decode",
     "shared_decode_enabled",
     "shared_decode_stats",
+    "shared_decode_times",
     "supports_gpu_offload",
     "system_info",
 ]

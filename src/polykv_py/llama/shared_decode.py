@@ -8,6 +8,7 @@ with f16 or q8_0 KV (unified KV lets agents' rows share the prefix cells).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,21 @@ class SharedDecodeStats:
     tiles_skipped: int
 
 
+@dataclass(frozen=True)
+class SharedDecodeTimes:
+    """Where the path's time went since the process started (``polykv-fattn.h``): its nodes' wall time (one thread's
+    view, from a node's start to its last row), the threads' time summed by tile kind, the arithmetic of each kind
+    (2 (DK + DV) flops per query head and visible (token, cell) pair) and the K/V row bytes of the private pairs."""
+
+    node_ns: int
+    shared_ns: int
+    private_ns: int
+    items_ns: int
+    shared_flop: int
+    private_flop: int
+    private_bytes: int
+
+
 def set_shared_decode(on: bool) -> None:
     """Turn the path on or off for this process."""
     _entry("ggml_backend_cpu_polykv_set_shared_decode", "void (*)(bool)")(bool(on))
@@ -52,3 +68,11 @@ def shared_decode_stats() -> SharedDecodeStats:
     out = ffi.new("uint64_t[4]")
     _entry("ggml_backend_cpu_polykv_shared_decode_stats", "void (*)(uint64_t *)")(out)
     return SharedDecodeStats(*(int(x) for x in out))
+
+
+def shared_decode_times() -> SharedDecodeTimes:
+    """The CPU backend's time and work counters of the path."""
+    n = len(dataclasses.fields(SharedDecodeTimes))
+    out = ffi.new(f"uint64_t[{n}]")
+    _entry("ggml_backend_cpu_polykv_shared_decode_times", "void (*)(uint64_t *)")(out)
+    return SharedDecodeTimes(*(int(x) for x in out))

@@ -32,6 +32,7 @@ from polykv_py.llama import (
     set_shared_decode,
     shared_decode_enabled,
     shared_decode_stats,
+    shared_decode_times,
 )
 
 pytestmark = pytest.mark.integration
@@ -126,10 +127,11 @@ def test_off_the_path_does_not_run_and_two_runs_are_bit_exact(
 ) -> None:
     set_shared_decode(False)
     assert shared_decode_enabled() is False
-    before = shared_decode_stats()
+    before, times = shared_decode_stats(), shared_decode_times()
     first = answers(engine, prefix_tokens, suffix_tokens)
     again = answers(engine, prefix_tokens, suffix_tokens)
     assert shared_decode_stats() == before, "the path ran with the switch off"
+    assert shared_decode_times() == times, "the path counted time with the switch off"
     for c in compare_all(first, again, EXACT):
         assert c.verdict == "identical" and c.max_drift == 0.0, c.detail
 
@@ -141,9 +143,13 @@ def test_on_the_path_runs_and_answers_within_layout_margins(
     off = fanout_steps(engine, prefix_tokens, suffix_tokens)
     set_shared_decode(True)
     assert shared_decode_enabled() is True
-    s0 = shared_decode_stats()
+    s0, t0 = shared_decode_stats(), shared_decode_times()
     on = fanout_steps(engine, prefix_tokens, suffix_tokens)
     ran = delta(s0, shared_decode_stats())
+    t1 = shared_decode_times()
+    took = {f.name: getattr(t1, f.name) - getattr(t0, f.name) for f in dataclasses.fields(t1)}
+    assert all(v > 0 for v in took.values()), took
+    assert took["shared_ns"] + took["private_ns"] <= took["items_ns"], took
     # one op per layer per batch of 2-511 rows: the prefix (one batch), the suffixes (one), N_GEN - 1 steps
     assert ran.ops == n_layer(model) * (N_GEN + 1), ran
     assert ran.tiles_shared > 0 and ran.tiles_private > 0, ran

@@ -5,7 +5,9 @@
 // (Q a permuted view, K/V views of an interleaved KV cache, an f16 mask), computes it with the
 // path off (upstream's kernel) and on (through the CPU backend's proc address), and, on x86-64,
 // with the same computation compiled for AVX2 and without SIMD. One JSON object per case on
-// stdout; the pytest module (test_fattn_kernel.py) asserts the bounds.
+// stdout; the pytest module (test_fattn_kernel.py) asserts the bounds. "on_bits" hashes the path's
+// result bit for bit: two builds whose every case has the same hash compute the same floats (a change
+// meant to keep every bit, such as a loop reordered, shows it by diffing their outputs).
 //
 // usage: polykv-fattn-check [--quick]
 //        polykv-fattn-check --toggle [computes]
@@ -154,6 +156,7 @@ struct result {
     uint64_t visible = 0;         // (token, cell) pairs the mask lets through
     double err_off = 0, err_on = 0, on_vs_off = 0, err_avx2 = -1, err_scalar = -1;
     uint64_t ops = 0, shared = 0, priv = 0, skipped = 0;
+    uint64_t on_bits = 0; // FNV-1a of the path's result, bit for bit: a change meant to keep every bit can show it
     bool ran = false;
     int toggle_on = 0, toggle_off = 0, toggle_mixed = 0; // --toggle: results equal to the path's, upstream's, neither
 };
@@ -291,6 +294,10 @@ result run_case(const test_case & tc, const cpu_switch & sw, int bench_reps = 0,
     sw.set(false);
     sw.stats(after);
     const std::vector<float> on = output();
+    res.on_bits = 14695981039346656037ull;
+    for (size_t b = 0; b < on.size()*sizeof(float); ++b) {
+        res.on_bits = (res.on_bits ^ ((const uint8_t *) on.data())[b]) * 1099511628211ull;
+    }
 
     // (the reference knows no ALiBi or softcap: a declined node is only compared with upstream's)
     res.err_off = max_abs(off, ref);
@@ -608,11 +615,11 @@ int main(int argc, char ** argv) {
         printf("{\"decline\": \"%s\", \"sinks\": %s, \"layout\": \"%s\", \"DK\": %d, \"n_head\": %d, \"n_head_kv\": %d, \"N\": %d, \"n_kv\": %d, "
                "\"threads\": %d, \"kv_type\": \"%s\", \"err_off\": %.3g, \"err_on\": %.3g, \"on_vs_off\": %.3g, "
                "\"err_avx2\": %.3g, \"err_scalar\": %.3g, \"ops\": %llu, \"tiles_shared\": %llu, "
-               "\"tiles_private\": %llu, \"tiles_skipped\": %llu}\n",
+               "\"tiles_private\": %llu, \"tiles_skipped\": %llu, \"on_bits\": \"%016llx\"}\n",
                tc.decline.c_str(), tc.sinks ? "true" : "false", tc.layout.c_str(), tc.DK, tc.n_head, tc.n_head_kv, tc.N, tc.n_kv, tc.threads,
                ggml_type_name(tc.kv_type), r.err_off, r.err_on, r.on_vs_off, r.err_avx2, r.err_scalar,
                (unsigned long long) r.ops, (unsigned long long) r.shared, (unsigned long long) r.priv,
-               (unsigned long long) r.skipped);
+               (unsigned long long) r.skipped, (unsigned long long) r.on_bits);
         fflush(stdout);
         bad += tc.decline.empty() ? r.ops != 1 : (r.ops != 0 || r.on_vs_off != 0);
     }

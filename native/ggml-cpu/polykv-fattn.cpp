@@ -216,25 +216,40 @@ static inline void scale_f32(float * y, float s, int64_t n) {
     }
 }
 
-// y[j] = exp(x[j] - sub[j]), rs[j] += y[j] for j < n (n a multiple of RPAD)
-static inline void exp_sub_acc(float * y, const float * x, const float * sub, float * rs, int64_t n) {
+// a tile's scores S[c*ld + j] (c < tn, j < n; n a multiple of RPAD) = exp(S - sub[j]), and rs[j] = their sum over
+// c, added in cell order: one column of vectors at a time, its sums and subtrahends held in registers
+static inline void exp_sub_sum_tile(float * S, int64_t tn, int64_t ld, const float * sub, float * rs, int64_t n) {
     int64_t j = 0;
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
     for (; j + 16 <= n; j += 16) {
-        const __m512 e = ggml_v_expf(_mm512_sub_ps(_mm512_loadu_ps(x + j), _mm512_loadu_ps(sub + j)));
-        _mm512_storeu_ps(y + j, e);
-        _mm512_storeu_ps(rs + j, _mm512_add_ps(_mm512_loadu_ps(rs + j), e));
+        const __m512 vs = _mm512_loadu_ps(sub + j);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t c = 0; c < tn; ++c) {
+            const __m512 e = ggml_v_expf(_mm512_sub_ps(_mm512_loadu_ps(S + c*ld + j), vs));
+            _mm512_storeu_ps(S + c*ld + j, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        _mm512_storeu_ps(rs + j, sum);
     }
 #elif defined(__AVX2__) && defined(__FMA__)
     for (; j + 8 <= n; j += 8) {
-        const __m256 e = ggml_v_expf(_mm256_sub_ps(_mm256_loadu_ps(x + j), _mm256_loadu_ps(sub + j)));
-        _mm256_storeu_ps(y + j, e);
-        _mm256_storeu_ps(rs + j, _mm256_add_ps(_mm256_loadu_ps(rs + j), e));
+        const __m256 vs = _mm256_loadu_ps(sub + j);
+        __m256 sum = _mm256_setzero_ps();
+        for (int64_t c = 0; c < tn; ++c) {
+            const __m256 e = ggml_v_expf(_mm256_sub_ps(_mm256_loadu_ps(S + c*ld + j), vs));
+            _mm256_storeu_ps(S + c*ld + j, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        _mm256_storeu_ps(rs + j, sum);
     }
 #endif
     for (; j < n; ++j) {
-        y[j]   = expf(x[j] - sub[j]);
-        rs[j] += y[j];
+        float sum = 0.0f;
+        for (int64_t c = 0; c < tn; ++c) {
+            S[c*ld + j] = expf(S[c*ld + j] - sub[j]);
+            sum += S[c*ld + j];
+        }
+        rs[j] = sum;
     }
 }
 
@@ -317,8 +332,31 @@ static inline int32_t seen_cells(const float * mk, int64_t n, int32_t * list) {
 }
 
 // ---------------------------------------------------------------------------- GEMM micro-kernel
-// C[M x Ncols] += A * B, A(i, kk) = A[i*a_is + kk*a_ks], B row-major [K x Ncols] (ldb),
-// C row-major (ldc); Ncols a multiple of the vector width.
+// C[M x Ncols] = start + A * B, A(i, kk) = A[i*a_is + kk*a_ks], B row-major [K x Ncols] (ldb), C row-major (ldc);
+// Ncols a multiple of the vector width. What C starts from and what else a block does as it goes (gemm_io): 0, or
+// C0 (same layout as C; C itself to accumulate) times rs[i] per row where rs is given; where cmax is given and the
+// CPU has a vector max (x86: AVX or AVX-512), cmax[j] = max(cmax[j], every C[i][j]), while the block is in registers.
+// Each C value is computed as if C were set first and then added to: the same roundings, in the same order.
+
+struct gemm_io {
+    const float * C0 = nullptr;   // start values (nullptr: 0)
+    const float * rs = nullptr;   // per row of C0 (nullptr: 1)
+    float *       cmax = nullptr; // column maxima to raise (nullptr: none)
+};
+
+#if defined(POLYKV_FA_SIMD) && defined(__AVX512F__)
+#define POLYKV_FA_VEC_MAX(a, b) _mm512_max_ps(a, b)
+#elif defined(POLYKV_FA_SIMD) && defined(__AVX__) && !defined(__AVX512F__)
+#define POLYKV_FA_VEC_MAX(a, b) _mm256_max_ps(a, b)
+#endif
+
+// whether gemm() raises io.cmax (else the caller takes the maxima itself)
+static constexpr bool GEMM_MAX =
+#if defined(POLYKV_FA_VEC_MAX)
+    true;
+#else
+    false;
+#endif
 
 #if defined(POLYKV_FA_SIMD)
 #if defined(__AVX512F__)
@@ -330,14 +368,18 @@ static constexpr int UK_RM = 2, UK_RN = 2;
 #endif
 
 template <int RM, int RN>
-static inline void ukernel(float * GGML_RESTRICT C, int64_t ldc,
+static inline void ukernel(float * C, int64_t ldc, const gemm_io & io, // io.C0 may be C: each value is read before it is written
                            const float * GGML_RESTRICT A, int64_t a_is, int64_t a_ks,
                            const float * GGML_RESTRICT B, int64_t ldb, int64_t K) {
     constexpr int E = GGML_F32_EPR;
     GGML_F32_VEC acc[RM][RN];
     for (int i = 0; i < RM; ++i) {
+        const GGML_F32_VEC s = GGML_F32_VEC_SET1(io.rs ? io.rs[i] : 1.0f);
         for (int r = 0; r < RN; ++r) {
-            acc[i][r] = GGML_F32_VEC_LOAD(C + i*ldc + r*E);
+            acc[i][r] = io.C0 ? GGML_F32_VEC_LOAD(io.C0 + i*ldc + r*E) : GGML_F32_VEC_ZERO;
+            if (io.rs) {
+                acc[i][r] = GGML_F32_VEC_MUL(acc[i][r], s);
+            }
         }
     }
     for (int64_t kk = 0; kk < K; ++kk) {
@@ -357,32 +399,48 @@ static inline void ukernel(float * GGML_RESTRICT C, int64_t ldc,
             GGML_F32_VEC_STORE(C + i*ldc + r*E, acc[i][r]);
         }
     }
+#if defined(POLYKV_FA_VEC_MAX)
+    if (io.cmax) {
+        for (int r = 0; r < RN; ++r) {
+            GGML_F32_VEC m = acc[0][r];
+            for (int i = 1; i < RM; ++i) {
+                m = POLYKV_FA_VEC_MAX(m, acc[i][r]);
+            }
+            GGML_F32_VEC_STORE(io.cmax + r*E, POLYKV_FA_VEC_MAX(GGML_F32_VEC_LOAD(io.cmax + r*E), m));
+        }
+    }
+#endif
+}
+
+// the io of the block from row i, column j
+static inline gemm_io at(const gemm_io & io, int64_t ldc, int64_t i, int64_t j) {
+    return { io.C0 ? io.C0 + i*ldc + j : nullptr, io.rs ? io.rs + i : nullptr, io.cmax ? io.cmax + j : nullptr };
 }
 
 template <int RM>
-static inline void gemm_rows(float * C, int64_t ldc, const float * A, int64_t a_is, int64_t a_ks,
+static inline void gemm_rows(float * C, int64_t ldc, const gemm_io & io, const float * A, int64_t a_is, int64_t a_ks,
                              const float * B, int64_t ldb, int64_t K, int64_t Ncols) {
     constexpr int E = GGML_F32_EPR;
     int64_t j = 0;
     for (; j + UK_RN*E <= Ncols; j += UK_RN*E) {
-        ukernel<RM, UK_RN>(C + j, ldc, A, a_is, a_ks, B + j, ldb, K);
+        ukernel<RM, UK_RN>(C + j, ldc, at(io, ldc, 0, j), A, a_is, a_ks, B + j, ldb, K);
     }
     // the rest in one pass when it fits the registers (e.g. 48 rows = 3 vectors on AVX-512)
     const int64_t rest = (Ncols - j)/E;
     if (UK_RN >= 3 && rest == 3) {
-        ukernel<RM, 3>(C + j, ldc, A, a_is, a_ks, B + j, ldb, K);
+        ukernel<RM, 3>(C + j, ldc, at(io, ldc, 0, j), A, a_is, a_ks, B + j, ldb, K);
         j += 3*E;
     } else if (UK_RN >= 2 && rest >= 2) {
-        ukernel<RM, 2>(C + j, ldc, A, a_is, a_ks, B + j, ldb, K);
+        ukernel<RM, 2>(C + j, ldc, at(io, ldc, 0, j), A, a_is, a_ks, B + j, ldb, K);
         j += 2*E;
     }
     for (; j + E <= Ncols; j += E) {
-        ukernel<RM, 1>(C + j, ldc, A, a_is, a_ks, B + j, ldb, K);
+        ukernel<RM, 1>(C + j, ldc, at(io, ldc, 0, j), A, a_is, a_ks, B + j, ldb, K);
     }
 }
 #endif
 
-static void gemm(float * C, int64_t ldc, const float * A, int64_t a_is, int64_t a_ks,
+static void gemm(float * C, int64_t ldc, const gemm_io & io, const float * A, int64_t a_is, int64_t a_ks,
                  const float * B, int64_t ldb, int64_t M, int64_t K, int64_t Ncols, prefetcher * pf = nullptr) {
 #if defined(POLYKV_FA_SIMD)
     int64_t i = 0;
@@ -392,14 +450,14 @@ static void gemm(float * C, int64_t ldc, const float * A, int64_t a_is, int64_t 
     // faster than in blocks of 4 rows, warm and cold; 8 rows for 16 or 32 columns: within noise at N = 4 and 8)
     if (Ncols == 3*GGML_F32_EPR) {
         for (; i + 8 <= M; i += 8) {
-            ukernel<8, 3>(C + i*ldc, ldc, A + i*a_is, a_is, a_ks, B, ldb, K);
+            ukernel<8, 3>(C + i*ldc, ldc, at(io, ldc, i, 0), A + i*a_is, a_is, a_ks, B, ldb, K);
             if (pf) {
                 pf->drip(2);
             }
         }
     } else if (Ncols == 4*GGML_F32_EPR) {
         for (; i + 6 <= M; i += 6) {
-            ukernel<6, 4>(C + i*ldc, ldc, A + i*a_is, a_is, a_ks, B, ldb, K);
+            ukernel<6, 4>(C + i*ldc, ldc, at(io, ldc, i, 0), A + i*a_is, a_is, a_ks, B, ldb, K);
             if (pf) {
                 pf->drip(2);
             }
@@ -407,16 +465,19 @@ static void gemm(float * C, int64_t ldc, const float * A, int64_t a_is, int64_t 
     }
 #endif
     for (; i + UK_RM <= M; i += UK_RM) {
-        gemm_rows<UK_RM>(C + i*ldc, ldc, A + i*a_is, a_is, a_ks, B, ldb, K, Ncols);
+        gemm_rows<UK_RM>(C + i*ldc, ldc, at(io, ldc, i, 0), A + i*a_is, a_is, a_ks, B, ldb, K, Ncols);
         if (pf) {
             pf->drip(1);
         }
     }
     for (; i < M; ++i) {
-        gemm_rows<1>(C + i*ldc, ldc, A + i*a_is, a_is, a_ks, B, ldb, K, Ncols);
+        gemm_rows<1>(C + i*ldc, ldc, at(io, ldc, i, 0), A + i*a_is, a_is, a_ks, B, ldb, K, Ncols);
     }
 #else
     for (int64_t i = 0; i < M; ++i) {
+        for (int64_t j = 0; j < Ncols; ++j) {
+            C[i*ldc + j] = io.C0 ? io.C0[i*ldc + j]*(io.rs ? io.rs[i] : 1.0f) : 0.0f;
+        }
         for (int64_t kk = 0; kk < K; ++kk) {
             const float a = A[i*a_is + kk*a_ks];
             for (int64_t j = 0; j < Ncols; ++j) {
@@ -484,22 +545,21 @@ static head_state head_of(const problem & p, const scratch & s, int64_t gl) {
 static void shared_tile(const problem & p, const scratch & s, const head_state & hs, const float * Kf, const float * Vf,
                         int64_t tn, bool unmasked, prefetcher & pf) {
     const int64_t DK = p.DK, DV = p.DV, Rg = p.Rg, Rp = p.Rp;
-    if (unmasked) {
-        // every row sees every cell: the scores start at 0 (padded rows' scores are never used)
-        memset(s.ST, 0, sizeof(float)*tn*Rp);
-    } else {
-        memcpy(s.ST, s.MT, sizeof(float)*tn*Rp);
-    }
-    gemm(s.ST, Rp, Kf, DK, 1, hs.QT, Rp, tn, DK, Rp, &pf);
-
     for (int64_t r = 0; r < Rp; ++r) {
         s.mt[r] = -INFINITY;
-        s.rs[r] = 0.0f;
     }
-    for (int64_t c = 0; c < tn; ++c) {
-        const float * row = s.ST + c*Rp;
-        for (int64_t r = 0; r < Rp; ++r) {
-            s.mt[r] = row[r] > s.mt[r] ? row[r] : s.mt[r];
+    // scores: from 0 where every row sees every cell (padded rows' scores are never used), else from the mask; each
+    // row's max over the tile taken as the GEMM's blocks are stored, where the CPU has a vector max
+    gemm_io scores;
+    scores.C0   = unmasked ? nullptr : s.MT;
+    scores.cmax = GEMM_MAX ? s.mt : nullptr;
+    gemm(s.ST, Rp, scores, Kf, DK, 1, hs.QT, Rp, tn, DK, Rp, &pf);
+    if (!GEMM_MAX) {
+        for (int64_t c = 0; c < tn; ++c) {
+            const float * row = s.ST + c*Rp;
+            for (int64_t r = 0; r < Rp; ++r) {
+                s.mt[r] = row[r] > s.mt[r] ? row[r] : s.mt[r];
+            }
         }
     }
     for (int64_t r = 0; r < Rp; ++r) {
@@ -509,17 +569,16 @@ static void shared_tile(const problem & p, const scratch & s, const head_state &
         s.ms[r]  = Mold == -INFINITY ? 0.0f : (Mold == Mnew ? 1.0f : expf(Mold - Mnew));
         hs.M[r]  = Mnew;
     }
-    for (int64_t c = 0; c < tn; ++c) {
-        exp_sub_acc(s.ST + c*Rp, s.ST + c*Rp, s.sub, s.rs, Rp);
-    }
+    exp_sub_sum_tile(s.ST, tn, Rp, s.sub, s.rs, Rp);
     for (int64_t r = 0; r < Rg; ++r) {
         hs.S[r] = hs.S[r]*s.ms[r] + s.rs[r];
-        if (s.ms[r] != 1.0f) {
-            scale_f32(hs.ACC + r*DV, s.ms[r], DV);
-        }
     }
-    // ACC[Rg x DV] += P[Rg x tn] * Vf[tn x DV], P(r, c) = ST[c*Rp + r]
-    gemm(hs.ACC, DV, s.ST, 1, Rp, Vf, DV, Rg, tn, DV, &pf);
+    // ACC[Rg x DV] = ACC*ms (rescaled to the new maxima as the GEMM loads it) + P[Rg x tn] * Vf[tn x DV],
+    // P(r, c) = ST[c*Rp + r]
+    gemm_io acc;
+    acc.C0 = hs.ACC;
+    acc.rs = s.ms;
+    gemm(hs.ACC, DV, acc, s.ST, 1, Rp, Vf, DV, Rg, tn, DV, &pf);
 }
 
 // ---------------------------------------------------------------------------- private tiles
@@ -1140,7 +1199,9 @@ static void reduce_rows(const problem & p, int64_t gr0, int64_t gr1, const float
             } else {
                 vs = expf(sink - M);
             }
-            S = S*ms + vs;
+            // one rounding, written out: GCC fused this multiply-add in one build and not in the next after an
+            // unrelated change, which moved the last bit of gpt-oss rows whose sink is their largest logit
+            S = std::fma(S, ms, vs);
         }
         const float S_inv = S == 0.0f ? 0.0f : 1.0f/S;
         for (int64_t d = 0; d < DV; ++d) {

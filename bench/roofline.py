@@ -112,12 +112,17 @@ def round_differences(lo: dict[str, Any], hi: dict[str, Any]) -> list[float]:
     return [y - x for x, y in zip(a, b, strict=True)]
 
 
+def _best(doc: dict[str, Any], key: str) -> float | None:
+    """The highest of the run's kernel readings of ``key`` (a lower one is the machine disturbed)."""
+    got = [k[key] for k in doc.get("kernel", []) if (k.get(key) or 0) > 0]
+    return max(got) if got else None
+
+
 def rows(doc: dict[str, Any], shape: AttentionShape) -> list[dict[str, Any]]:
     """For each (N, G) with two pools, the extra cells' attention rate in the server with the path on and off,
     against the FP32 peak the run measured (the higher of its readings: a lower one is the machine disturbed). The
     extra time is the median of the rounds' differences where the run has them, else the medians' difference."""
-    peaks = [k["fma_peak_gflops"] for k in doc.get("kernel", []) if k.get("fma_peak_gflops", 0) > 0]
-    peak = max(peaks) if peaks else None
+    peak = _best(doc, "fma_peak_gflops")
     steps: dict[tuple[str, int, int], dict[int, dict[str, Any]]] = {}
     for c in doc["cells"]:
         if c["kind"] == "step":
@@ -148,12 +153,6 @@ def rows(doc: dict[str, Any], shape: AttentionShape) -> list[dict[str, Any]]:
             }
         )
     return out
-
-
-def _best(doc: dict[str, Any], key: str) -> float | None:
-    """The highest of the run's kernel readings of ``key`` (a lower one is the machine disturbed)."""
-    got = [k[key] for k in doc.get("kernel", []) if (k.get(key) or 0) > 0]
-    return max(got) if got else None
 
 
 def path_run(t: dict[str, int], step_ms: float, shape: AttentionShape, threads: int) -> dict[str, Any] | None:
